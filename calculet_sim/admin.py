@@ -1,0 +1,218 @@
+"""Fault-injection admin API (DESIGN §3.3, spec §11, §12.4).
+
+Absent (404, like any unknown path) unless the server was started with faults enabled;
+then every call needs `Authorization: Bearer <token>` (401 without, 403 with a wrong
+one). Ordinary request fields can never arm a fault. Every admin call, refused ones
+included, is appended to the audit log, which nothing truncates. The token is never
+written anywhere.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psutil
+from aiohttp import web
+
+from calculet_load.schema import AuditRow, ServerEvent
+from calculet_sim import lifecycle
+from calculet_sim.engine import Engine
+from calculet_sim.faults import SCENARIOS, FaultSpecError
+from calculet_sim.profile import Knobs
+from calculet_sim.traces import now_ns
+
+ENGINE = web.AppKey("engine", Engine)
+_OPERATOR = re.compile(r"[A-Za-z0-9._@\-]{1,64}")
+_Action = Callable[[web.Request, Any], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+def state_of(eng: Engine) -> dict[str, Any]:
+    sched = eng.p.scheduling
+    proc = psutil.Process(os.getpid())
+    return {
+        "state": eng.state,
+        "generation": eng.generation,
+        "calbin_sha256": eng.calbin_sha256,
+        "reset_count": eng.reset_count,
+        "generation_changes": eng.generation_changes,
+        "profile": eng.p.name,
+        "time_scale": eng.p.time_scale,
+        "slots": {"total": sched.slots, "in_use": eng.slots_in_use},
+        "queue": {"waiting": len(eng.waiting), "max": sched.queue_max},
+        "sequences_active": len(eng.active),
+        "kv": {
+            "budget_tokens": sched.kv_budget_tokens,
+            "allocated_tokens": eng.kv_allocated,
+            "free_tokens": eng.kv_free(),
+            "quarantined_tokens": eng.kv_quarantined,
+            "waits": eng.kv_waits,
+        },
+        "buffer_pool": {
+            "total": sched.buffer_pool_size,
+            "free": eng.free_leases(),
+            "leased": len(eng.leases),
+            "quarantined": eng.leases_quarantined,
+            "quarantined_total": eng.quarantined_total,
+            "leaked": eng.leases_leaked,
+        },
+        "jobs": {
+            "pending": eng.pending_jobs,
+            "in_flight": eng.left_jobs,
+            "finished": eng.finished_jobs,
+        },
+        "isolated_shapes": sorted(eng.isolated_shapes),
+        "armed_faults": [f.public() for f in eng.faults.armed()],
+        "counters": dict(eng.counters),
+        "process": {
+            "rss_bytes": proc.memory_info().rss,
+            "open_fds": proc.num_fds(),
+            "threads": proc.num_threads(),
+        },
+        "device_extra_memory_mib": eng.device.extra_memory_mib,
+    }
+
+
+def add_routes(
+    app: web.Application, eng: Engine, *, faults_enabled: bool, token: str | None
+) -> None:
+    if not faults_enabled:
+        return  # /admin/* falls through to 404 like any unknown path
+    if not token:
+        raise ValueError("faults enabled without an admin token")
+    expected = token.encode()
+
+    def guarded(action: str, fn: _Action) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            operator = request.headers.get("X-Operator", "unknown")
+            if not _OPERATOR.fullmatch(operator):
+                operator = "invalid-operator-header"
+            auth = request.headers.get("Authorization", "")
+            params: Any = {}
+            if auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), expected):
+                if request.can_read_body:
+                    try:
+                        params = await request.json()
+                    except ValueError:
+                        return _audit(eng, operator, action, {}, 400, "invalid_json")
+                status, body = await fn(request, params)
+                return _audit(eng, operator, action, params, status, body)
+            status = 401 if not auth else 403
+            message = "admin token required" if status == 401 else "admin token rejected"
+            resp = _audit(eng, operator, action, {}, status, {"error": message})
+            if status == 401:
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="calculet-sim admin"'
+            return resp
+
+        return handler
+
+    app.router.add_get("/admin/state", guarded("state", _state))
+    app.router.add_get("/admin/faults", guarded("list_faults", _list))
+    app.router.add_post("/admin/faults", guarded("arm_fault", _arm))
+    app.router.add_delete("/admin/faults", guarded("clear_faults", _clear))
+    app.router.add_post("/admin/knobs", guarded("set_knobs", _knobs))
+    app.router.add_post("/admin/reset", guarded("reset", _reset))
+    app.router.add_post("/admin/load", guarded("load", _load))
+    app.router.add_post("/admin/shutdown", guarded("shutdown", _shutdown))
+
+
+def _audit(
+    eng: Engine, operator: str, action: str, params: Any, status: int, body: Any
+) -> web.Response:
+    wall, mono = now_ns()
+    before = getattr(eng, "_audit_before", (eng.state, eng.generation))
+    eng.traces.write(
+        "audit",
+        AuditRow(
+            wall_ns=wall,
+            mono_ns=mono,
+            operator=operator,
+            action=action,
+            params=params if isinstance(params, dict) else {"value": repr(params)[:200]},
+            outcome="ok" if status < 400 else "refused" if status in (401, 403) else "error",
+            http_status=status,
+            state_before=before[0],
+            state_after=eng.state,
+            generation_before=before[1],
+            generation_after=eng.generation,
+            in_flight_jobs=eng.left_jobs,
+            queued_requests=len(eng.waiting),
+            versions={"calbin_sha256": eng.calbin_sha256, **eng.p.versions},
+        ),
+    )
+    return web.json_response(body if isinstance(body, dict) else {"result": body}, status=status)
+
+
+async def _state(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    return 200, state_of(request.app[ENGINE])
+
+
+def _engine(request: web.Request) -> Engine:
+    eng = request.app[ENGINE]
+    eng._audit_before = (eng.state, eng.generation)  # type: ignore[attr-defined]
+    return eng
+
+
+async def _list(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    catalog = {k: {"section": v[0], "effect": v[1]} for k, v in SCENARIOS.items()}
+    return 200, {"armed": [f.public() for f in eng.faults.armed()], "scenarios": catalog}
+
+
+async def _arm(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    specs = params.get("faults", [params]) if isinstance(params, dict) else None
+    if not isinstance(specs, list) or not all(isinstance(s, dict) for s in specs):
+        return 400, {"error": "body: expected a fault object or {faults: [...]}"}
+    armed = []
+    for spec in specs:
+        try:
+            fault = eng.faults.arm(spec)
+        except FaultSpecError as exc:
+            return 400, {"error": str(exc)}
+        eng.event(ServerEvent.FAULT_ARMED, None, detail=fault.public())
+        if fault.duration_ms is not None:
+            eng.wake_later(fault.duration_ms)
+        armed.append(fault.public())
+    return 200, {"armed": armed}
+
+
+async def _clear(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    scenario = request.query.get("scenario")
+    cleared = eng.faults.clear(scenario)
+    eng.event(ServerEvent.FAULT_CLEARED, None, detail={"cleared": cleared})
+    eng.try_admit()
+    return 200, {"cleared": cleared}
+
+
+async def _knobs(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    try:
+        knobs = Knobs.model_validate({**eng.p.knobs.model_dump(), **params})
+    except ValueError as exc:
+        return 400, {"error": str(exc).splitlines()[0]}
+    eng.p = eng.p.model_copy(update={"knobs": knobs})
+    return 200, {"knobs": knobs.model_dump()}
+
+
+async def _reset(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    operator = request.headers.get("X-Operator", "unknown")
+    result = await lifecycle.reset(eng, "admin", operator=operator)
+    return (200 if result.get("reset") == "ok" else 500), result
+
+
+async def _load(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    if not isinstance(params, dict):
+        return 400, {"error": "body: expected an object"}
+    return await lifecycle.load(eng, params)
+
+
+async def _shutdown(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
+    eng = _engine(request)
+    return 200, await lifecycle.shutdown(eng)

@@ -1,0 +1,413 @@
+"""HTTP front end of the simulator: generation endpoints, tokenize, health, models,
+metrics and trace collection. Every error is a JSON body `{"error": {code, type,
+message}}`; a bad request never stops the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from calculet_load.schema import DeviceRow, ServerEvent
+from calculet_sim import admin
+from calculet_sim.admin import ENGINE
+from calculet_sim.engine import Engine, GenRequest, Reject, Seq
+from calculet_sim.faults import FaultInjector
+from calculet_sim.metrics import SimMetrics
+from calculet_sim.profile import Profile
+from calculet_sim.protocols import Formatter, Options, dumps, parse_request, timings
+from calculet_sim.tokens import OutputModel, Tokenizer, Utf8Stream, key_of
+from calculet_sim.traces import TRACE_FILES, TraceWriter, now_ns
+
+_RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, code: str, message: str, rid: str | None = None) -> web.Response:
+    headers = {"X-Request-Id": rid} if rid else None
+    body = {"error": {"code": status, "type": code, "message": message}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    rid = request.headers.get("X-Request-Id")
+    try:
+        return await handler(request)
+    except Reject as exc:
+        return error_response(exc.status, exc.code, exc.message, rid)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = (exc.reason or "error").lower().replace(" ", "_")
+        return error_response(exc.status, code, f"{request.method} {request.path}: {exc.reason}")
+
+
+class Sim:
+    """The simulator's state shared by the handlers."""
+
+    def __init__(self, profile: Profile, trace_dir: Path | None) -> None:
+        self.profile = profile
+        self.tok = Tokenizer(profile.output.vocab_size)
+        tr = profile.traces
+        self.traces = TraceWriter(
+            trace_dir, {"server_events": tr.server_events, "steps": tr.steps, "device": tr.device}
+        )
+        self.faults = FaultInjector(profile.seed)
+        self.engine = Engine(profile, self.traces, self.faults)
+        self.metrics = SimMetrics(self.engine)
+        self.engine.metrics = self.metrics
+        self._rid_counter = 0
+        self._bg: list[asyncio.Task[None]] = []
+
+    def request_id(self, request: web.Request) -> str:
+        rid = request.headers.get("X-Request-Id")
+        if rid and _RID.fullmatch(rid):
+            return rid
+        self._rid_counter += 1
+        return f"sim-{self._rid_counter}"
+
+    async def _read_json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except UnicodeDecodeError as exc:
+            raise Reject(400, "invalid_json", f"body: invalid UTF-8 at byte {exc.start}") from None
+        except json.JSONDecodeError as exc:
+            raise Reject(400, "invalid_json", f"body: {exc.msg} at byte {exc.pos}") from None
+
+    # ------------------------------------------------------------- generation
+    def endpoint(self, protocol: str) -> Handler:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            rid = self.request_id(request)
+            body = await self._read_json(request)
+            try:
+                req, opts = parse_request(
+                    protocol, body, rid, self.tok, self.profile.scheduling.max_context
+                )
+            except Reject as exc:
+                raise Reject(exc.status, exc.code, exc.message) from None
+            if self.profile.firehose:
+                return await self._firehose(request, req, opts)
+            eng = self.engine
+            seq = eng.accept(req)
+            try:
+                await eng.admit(seq)
+            except asyncio.CancelledError:
+                eng.cancel(seq)
+                raise
+            t_admitted = time.monotonic_ns()
+            try:
+                if opts.stream:
+                    return await self._stream(request, seq, req, opts, t_admitted)
+                return await self._whole(seq, req, opts, t_admitted)
+            except (asyncio.CancelledError, ConnectionResetError):
+                eng.cancel(seq)
+                raise
+
+        return handle
+
+    def _headers(self, rid: str) -> dict[str, str]:
+        return {
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": rid,
+        }
+
+    async def _stream(
+        self, request: web.Request, seq: Seq, req: GenRequest, opts: Options, t_admitted: int
+    ) -> web.StreamResponse:
+        out = self.profile.output
+        resp = web.StreamResponse(headers=self._headers(req.request_id))
+        await resp.prepare(request)
+        _nodelay(request)
+        fmt = Formatter(opts, req, out.model_name)
+        utf8 = Utf8Stream(out.utf8_holdback)
+        k = out.tokens_per_event
+        group: list[tuple[int, int]] = []  # (token id, step) not yet sent
+        held = 0  # tokens inside `group` merged from a held-back event
+        nan_any = False
+        t_first = t_last = 0
+        for ev in fmt.start():
+            await resp.write(b"data: " + ev.encode() + b"\n\n")
+        while True:
+            item = await seq.out.get()
+            kind = item[0]
+            if kind == "token":
+                group.append((item[1], item[2]))
+                nan_any |= item[3]
+                t_last = time.monotonic_ns()
+                t_first = t_first or t_last
+                if len(group) - held < k:
+                    continue
+            elif kind == "abort":
+                # Broken shutdown: the connection is dropped mid-stream.
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+            text = utf8.feed(b"".join(self.tok.piece(t) for t, _ in group[held:]))
+            if kind == "finish":
+                text += utf8.flush()
+            if group and (text or kind != "token"):
+                ids = [t for t, _ in group[held:]]
+                ev = fmt.tokens(text, ids, seq.n_generated_sent + len(group), nan_any)
+                await resp.write(b"data: " + ev.encode() + b"\n\n")
+                self._flushed(seq, group)
+                seq.n_generated_sent += len(group)
+                group, held, nan_any = [], 0, False
+            elif group:
+                held = len(group)  # llama.cpp: the next event lists only the newer token
+                continue
+            if kind == "finish":
+                prompt_ms = (t_first - t_admitted) / 1e6 if t_first else 0.0
+                tm = timings(
+                    len(req.prompt_ids), prompt_ms, seq.n_generated_sent, (t_last - t_first) / 1e6
+                )
+                for ev in fmt.finish(item[1], seq.n_generated_sent, tm):
+                    await resp.write(b"data: " + ev.encode() + b"\n\n")
+                break
+            if kind == "error":
+                for ev in fmt.error(item[1], item[2], item[3]):
+                    await resp.write(b"data: " + ev.encode() + b"\n\n")
+                break
+        await resp.write_eof()
+        return resp
+
+    def _flushed(self, seq: Seq, group: list[tuple[int, int]]) -> None:
+        if not self.traces.enabled("server_events"):
+            return
+        for _, step in group:
+            self.engine.event(
+                ServerEvent.TOKEN_FLUSHED,
+                seq,
+                step_index=step,
+                kind="prefill" if step == 0 else "decode",
+            )
+
+    async def _whole(
+        self, seq: Seq, req: GenRequest, opts: Options, t_admitted: int
+    ) -> web.StreamResponse:
+        ids: list[int] = []
+        steps: list[tuple[int, int]] = []
+        nan = False
+        t_first = t_last = 0
+        while True:
+            item = await seq.out.get()
+            if item[0] == "token":
+                ids.append(item[1])
+                steps.append((item[1], item[2]))
+                nan |= item[3]
+                t_last = time.monotonic_ns()
+                t_first = t_first or t_last
+                continue
+            if item[0] == "error":
+                raise Reject(item[1], item[2], item[3])
+            if item[0] == "abort":
+                raise Reject(503, "shutting_down", "instance shut down mid-request")
+            break
+        utf8 = Utf8Stream(self.profile.output.utf8_holdback)
+        text = utf8.feed(b"".join(self.tok.piece(t) for t in ids)) + utf8.flush()
+        prompt_ms = (t_first - t_admitted) / 1e6 if t_first else 0.0
+        tm = timings(len(req.prompt_ids), prompt_ms, len(ids), (t_last - t_first) / 1e6)
+        fmt = Formatter(opts, req, self.profile.output.model_name)
+        body = fmt.whole(text, ids, item[1], len(ids), tm, nan)
+        self._flushed(seq, steps)
+        return web.Response(
+            text=dumps(body),
+            content_type="application/json",
+            headers={"X-Request-Id": req.request_id},
+        )
+
+    async def _firehose(
+        self, request: web.Request, req: GenRequest, opts: Options
+    ) -> web.StreamResponse:
+        """No delays, many tokens per write: measures the client, not the server."""
+        out = self.profile.output
+        n = min(req.max_tokens, self.profile.scheduling.max_context - len(req.prompt_ids))
+        model = OutputModel(key_of(req.prompt_ids), out.vocab_size, 0.0, 0.0, True)
+        fmt = Formatter(opts, req, out.model_name)
+        if not opts.stream:
+            ids = [model.token_at(i) for i in range(n)]
+            text = b"".join(self.tok.piece(t) for t in ids).decode()
+            body = fmt.whole(text, ids, "length", n, timings(len(req.prompt_ids), 0, n, 0), False)
+            return web.Response(text=dumps(body), content_type="application/json")
+        resp = web.StreamResponse(headers=self._headers(req.request_id))
+        await resp.prepare(request)
+        _nodelay(request)
+        k = out.tokens_per_event
+        per_write = self.profile.firehose_tokens_per_write
+        parts = [b"data: " + e.encode() + b"\n\n" for e in fmt.start()]
+        i = 0
+        while i < n:
+            ids = [model.token_at(j) for j in range(i, min(i + k, n))]
+            i += len(ids)
+            text = b"".join(self.tok.piece(t) for t in ids).decode()
+            parts.append(b"data: " + fmt.tokens(text, ids, i, False).encode() + b"\n\n")
+            if len(parts) * k >= per_write or i >= n:
+                await resp.write(b"".join(parts))
+                parts = []
+                await asyncio.sleep(0)
+        for ev in fmt.finish("length", n, timings(len(req.prompt_ids), 0, n, 0)):
+            parts.append(b"data: " + ev.encode() + b"\n\n")
+        await resp.write(b"".join(parts))
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------------ misc
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise Reject(400, "invalid_request", "body: expected a JSON object")
+        if "messages" in body:
+            req, _ = parse_request(
+                "chat", {"messages": body["messages"]}, "tokenize", self.tok, 1 << 30
+            )
+            ids = req.prompt_ids
+        else:
+            text = body.get("content", body.get("prompt"))
+            if not isinstance(text, str):
+                raise Reject(400, "invalid_request", "content: expected a string")
+            ids = self.tok.encode(text)
+        return web.json_response(
+            {
+                "tokens": ids,
+                "count": len(ids),
+                "max_model_len": self.profile.scheduling.max_context,
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        state = self.engine.state
+        ok = state not in ("failed", "stopped")
+        return web.json_response(
+            {"status": "ok" if ok else "unavailable", "state": state}, status=200 if ok else 503
+        )
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        out = self.profile.output
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": out.model_name,
+                        "object": "model",
+                        "owned_by": "calculet-sim",
+                        "alias": out.model_alias,
+                        "max_model_len": self.profile.scheduling.max_context,
+                    }
+                ],
+            }
+        )
+
+    async def metrics_endpoint(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def trace(self, request: web.Request) -> web.StreamResponse:
+        kind = request.match_info["kind"]
+        if kind not in TRACE_FILES or kind == "audit":
+            raise Reject(404, "not_found", f"trace {kind!r}: one of server_events, steps, device")
+        try:
+            offset = int(request.query.get("offset", "0"))
+        except ValueError:
+            raise Reject(400, "invalid_request", "offset: expected an integer") from None
+        if offset < 0:
+            raise Reject(400, "invalid_request", "offset: must be >= 0")
+        data = self.traces.read(kind, offset)
+        return web.Response(
+            body=data,
+            content_type="application/x-ndjson",
+            headers={"X-Next-Offset": str(offset + len(data))},
+        )
+
+    # ------------------------------------------------------- background tasks
+    async def _device_sampler(self) -> None:
+        eng = self.engine
+        cfg = self.profile.device
+        period_s = cfg.sample_interval_s * (eng.scale or 1.0)
+        t_start = time.monotonic_ns()
+        last_busy, last_t = eng.busy_ns, t_start
+        while True:
+            await asyncio.sleep(period_s)
+            now = time.monotonic_ns()
+            util = (eng.busy_ns - last_busy) / max(now - last_t, 1)
+            last_busy, last_t = eng.busy_ns, now
+            eng.device.advance(cfg.sample_interval_s, util)
+            wall, mono = now_ns()
+            self.traces.write(
+                "device",
+                DeviceRow(
+                    wall_ns=wall,
+                    mono_ns=mono,
+                    chips=eng.device.samples(eng.kv_allocated),
+                    pending_jobs=eng.pending_jobs,
+                    finished_jobs=eng.finished_jobs,
+                    left_jobs=eng.left_jobs,
+                    reset_count=eng.reset_count,
+                    sim_time_s=round((now - t_start) / 1e9 / (eng.scale or 1.0), 3),
+                ),
+            )
+
+    async def _flusher(self) -> None:
+        while True:
+            await asyncio.sleep(self.profile.traces.flush_interval_s)
+            self.traces.flush()
+
+    async def on_startup(self, app: web.Application) -> None:
+        eng = self.engine
+        eng.start(2 if self.profile.scheduling.ping_pong else 1)
+        loop = asyncio.get_running_loop()
+        self._bg = [loop.create_task(self._device_sampler()), loop.create_task(self._flusher())]
+        eng.event(ServerEvent.STATE_CHANGE, None, detail={"from": "starting", "to": "ready"})
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        for t in self._bg:
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.engine.stop()
+        self.traces.close()
+
+
+def _nodelay(request: web.Request) -> None:
+    # Tokens are small writes: Nagle would hold each one back for an ACK.
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def build_app(
+    profile: Profile,
+    trace_dir: Path | None,
+    *,
+    faults_enabled: bool = False,
+    admin_token: str | None = None,
+) -> web.Application:
+    sim = Sim(profile, trace_dir)
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+    app[ENGINE] = sim.engine
+    app.router.add_post("/v1/chat/completions", sim.endpoint("chat"))
+    app.router.add_post("/v1/completions", sim.endpoint("completions"))
+    app.router.add_post("/completion", sim.endpoint("llama"))
+    app.router.add_post("/completions", sim.endpoint("llama"))
+    app.router.add_post("/tokenize", sim.tokenize)
+    app.router.add_get("/health", sim.health)
+    app.router.add_get("/v1/models", sim.models)
+    app.router.add_get("/metrics", sim.metrics_endpoint)
+    app.router.add_get("/traces/{kind}", sim.trace)
+    admin.add_routes(app, sim.engine, faults_enabled=faults_enabled, token=admin_token)
+    app.on_startup.append(sim.on_startup)
+    app.on_cleanup.append(sim.on_cleanup)
+    return app
+
+
+__all__ = ["ENGINE", "build_app", "error_response"]

@@ -1,0 +1,168 @@
+"""Deterministic tokenizer and output model of the simulator.
+
+Text tokenizes into word pieces (a run of up to 8 non-space characters with its leading
+whitespace is one token), so `/tokenize` sizes a prompt exactly. Output token ids are a
+pure function of (prompt key, sampling key, position): a greedy golden prompt always
+yields the same ids. Some output characters are multi-byte UTF-8 spread over byte
+tokens, so a token can end inside a character, as on real servers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from collections.abc import Sequence
+
+PAD, BOS, EOS = 0, 1, 2
+BYTE_BASE = 3  # ids 3..258 are the byte-fallback tokens <0x00>..<0xFF>
+WORD_BASE = BYTE_BASE + 256
+
+_PIECE = re.compile(r"\s*\S{1,8}|\s+")
+_SYLLABLES = (
+    "ka", "lo", "mi", "ne", "ru", "sa", "to", "vi",
+    "be", "do", "fu", "ga", "hi", "jo", "ku", "le",
+)  # fmt: skip
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """One round of SplitMix64: a cheap, well-mixed 64-bit hash of an integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def key_of(ids: Sequence[int]) -> int:
+    """A 64-bit key of a token-id sequence (the prompt's identity for generation)."""
+    digest = hashlib.blake2b(array("I", ids).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def token_hash(ids: Sequence[int]) -> str:
+    """sha256 of the token ids as little-endian uint32: the output's identity."""
+    return hashlib.sha256(array("I", ids).tobytes()).hexdigest()
+
+
+class Tokenizer:
+    """Word-piece tokenizer over a vocabulary of `vocab_size` ids."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._n_words = vocab_size - WORD_BASE
+        self._pieces: dict[int, bytes] = {}
+
+    def encode(self, text: str) -> list[int]:
+        n = self._n_words
+        return [
+            WORD_BASE + int.from_bytes(hashlib.blake2b(m.encode(), digest_size=4).digest()) % n
+            for m in _PIECE.findall(text)
+        ]
+
+    def count(self, text: str) -> int:
+        return len(_PIECE.findall(text))
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes a token contributes to the output text."""
+        if token_id < BYTE_BASE:
+            return b""
+        if token_id < WORD_BASE:
+            return bytes((token_id - BYTE_BASE,))
+        cached = self._pieces.get(token_id)
+        if cached is None:
+            k = token_id - WORD_BASE
+            syl = [_SYLLABLES[k % 16], _SYLLABLES[(k >> 4) % 16]]
+            if k >> 8:
+                syl.append(_SYLLABLES[(k >> 8) % 16])
+            cached = self._pieces[token_id] = (" " + "".join(syl)).encode()
+        return cached
+
+
+class OutputModel:
+    """Yields the output token ids of one sequence, position by position.
+
+    `key` identifies (prompt, sampling); the same key always yields the same ids.
+    A multi-byte character occupies consecutive byte tokens.
+    """
+
+    __slots__ = ("_eos_p", "_key", "_mb_rate", "_n_words", "_pending", "ignore_eos")
+
+    def __init__(
+        self,
+        key: int,
+        vocab_size: int,
+        multibyte_rate: float,
+        eos_probability: float,
+        ignore_eos: bool,
+    ) -> None:
+        self._key = key
+        self._n_words = vocab_size - WORD_BASE
+        self._mb_rate = int(multibyte_rate * 1_000_000)
+        self._eos_p = int(eos_probability * 1_000_000)
+        self.ignore_eos = ignore_eos
+        self._pending: list[int] = []
+
+    def rekey(self, key: int) -> None:
+        """Switch the sampling key (a new model generation computes other logits)."""
+        self._key = key
+
+    def token_at(self, position: int) -> int:
+        if self._pending:
+            return self._pending.pop(0)
+        r = splitmix64(self._key ^ (position * 0x9E3779B97F4A7C15 & _MASK64))
+        if not self.ignore_eos and (r & 0xFFFFF) % 1_000_000 < self._eos_p:
+            return EOS
+        if ((r >> 20) & 0xFFFFF) % 1_000_000 < self._mb_rate:
+            # A CJK ideograph (3 bytes) or, one time in 8, an emoji (4 bytes).
+            if (r >> 40) & 7:
+                char = chr(0x4E00 + (r >> 43) % 0x5000)
+            else:
+                char = chr(0x1F300 + (r >> 43) % 0x300)
+            byte_ids = [BYTE_BASE + b for b in char.encode()]
+            self._pending = byte_ids[1:]
+            return byte_ids[0]
+        return WORD_BASE + (r >> 44) % self._n_words
+
+
+class Utf8Stream:
+    """Turns token bytes into text, holding back an incomplete trailing character.
+
+    With `holdback` off, incomplete bytes are emitted at once as U+FFFD (a naive server).
+    """
+
+    __slots__ = ("_buf", "holdback")
+
+    def __init__(self, holdback: bool) -> None:
+        self.holdback = holdback
+        self._buf = b""
+
+    def feed(self, data: bytes) -> str:
+        buf = self._buf + data
+        if not self.holdback:
+            self._buf = b""
+            return buf.decode("utf-8", errors="replace")
+        cut = _complete_prefix(buf)
+        self._buf = buf[cut:]
+        return buf[:cut].decode("utf-8", errors="replace")
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._buf)
+
+    def flush(self) -> str:
+        buf, self._buf = self._buf, b""
+        return buf.decode("utf-8", errors="replace")
+
+
+def _complete_prefix(buf: bytes) -> int:
+    """Length of `buf` without an incomplete UTF-8 sequence at its end."""
+    n = len(buf)
+    for back in range(1, min(4, n) + 1):
+        b = buf[n - back]
+        if b < 0x80:
+            return n
+        if b >= 0xC0:  # a lead byte: is its sequence complete?
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return n if back >= need else n - back
+    return n

@@ -1,0 +1,83 @@
+"""Trace files of the simulator (DESIGN §3.2): JSONL, appended, flushed periodically.
+
+Rows are built from the schema module's declarations. Files can be read over HTTP while
+the server runs (`GET /traces/{kind}?offset=N`), so a long run is collected as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from calculet_load.schema import row_to_dict
+
+TRACE_FILES = {
+    "server_events": "server_events.jsonl",
+    "steps": "steps.jsonl",
+    "device": "device.jsonl",
+    "audit": "audit.jsonl",
+}
+
+
+class TraceWriter:
+    """Buffers rows per trace kind and appends them to files on `flush()`.
+
+    The audit log is written through at once (and fsynced): it must survive a crash.
+    """
+
+    def __init__(self, trace_dir: Path | None, enabled: dict[str, bool]) -> None:
+        self.trace_dir = trace_dir
+        self._enabled = enabled
+        self._buffers: dict[str, list[str]] = {k: [] for k in TRACE_FILES}
+        self._files: dict[str, Any] = {}
+        if trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            for kind, name in TRACE_FILES.items():
+                # O_APPEND: rows are only ever added, never rewritten (spec §12.4).
+                self._files[kind] = open(trace_dir / name, "ab")  # noqa: SIM115
+
+    def enabled(self, kind: str) -> bool:
+        return self.trace_dir is not None and self._enabled.get(kind, True)
+
+    def write(self, kind: str, row: Any) -> None:
+        if not self.enabled(kind):
+            return
+        line = json.dumps(row_to_dict(row), separators=(",", ":"), allow_nan=False)
+        if kind == "audit":
+            f = self._files[kind]
+            f.write(line.encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+            return
+        self._buffers[kind].append(line)
+
+    def flush(self) -> None:
+        for kind, buf in self._buffers.items():
+            if buf and kind in self._files:
+                f = self._files[kind]
+                f.write(("\n".join(buf) + "\n").encode())
+                f.flush()
+                buf.clear()
+
+    def read(self, kind: str, offset: int) -> bytes:
+        """Bytes of a trace file from `offset` (after flushing what is buffered)."""
+        self.flush()
+        if self.trace_dir is None:
+            return b""
+        with open(self.trace_dir / TRACE_FILES[kind], "rb") as f:
+            f.seek(offset)
+            return f.read()
+
+    def close(self) -> None:
+        self.flush()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def now_ns() -> tuple[int, int]:
+    """(wall_ns, mono_ns) read back to back."""
+    return time.time_ns(), time.monotonic_ns()
