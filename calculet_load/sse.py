@@ -21,12 +21,12 @@ multi-byte sequence is below 0x80, and the decoder never folds an ASCII byte int
 invalid sequence. A character split across reads waits in the line buffer until its line
 ends. tests/load/test_sse.py checks this against a literal transcription of the spec.
 
-Why not sseclient-py: the `test_sseclient_*` tests in tests/load/test_sse.py measure
-version 1.9. It holds back an event whose final CR and LF arrive in different reads until
-the next read. It merges events separated by mixed line endings. It dispatches an
-unterminated event at EOF, drops a first event that follows a BOM, and raises on invalid
-UTF-8. It does not carry the last event id either. It is right on LF-only streams such as
-the llama.cpp captures, and on characters split across reads.
+Why not sseclient-py: measured by the `test_sseclient_*` tests in tests/load/test_sse.py,
+version 1.9 hands over an event whose final CR and LF arrive in different reads only with
+the next read, merges events separated by mixed line endings, dispatches an unterminated
+event at EOF, drops the first event after a BOM, raises on invalid UTF-8 and forgets the
+last event id. It is right on LF-only streams such as the llama.cpp captures, on lone-CR
+streams and on characters split across reads.
 """
 
 from contextlib import suppress
@@ -75,8 +75,7 @@ class SSEParser:
     """Parses one event stream. Feed it every byte read, in order, then `close()` it.
 
     After `SSELineTooLong` every further `feed()` raises it again (with no events).
-    `feed()` after `close()` raises ValueError. The counters count complete lines only;
-    an unterminated last line is discarded without being decoded.
+    `feed()` after `close()` raises ValueError.
     """
 
     __slots__ = (
@@ -129,7 +128,10 @@ class SSEParser:
 
     @property
     def invalid_utf8(self) -> int:
-        """Invalid UTF-8 sequences replaced by U+FFFD."""
+        """Invalid UTF-8 sequences replaced by U+FFFD.
+
+        Counted when their line ends; those in an unterminated last line, at `close()`.
+        """
         return self._invalid_utf8
 
     @property
@@ -170,6 +172,9 @@ class SSEParser:
         if not self._closed:
             self._closed = self._guarded = True
             self._truncated = bool(self._buf) or self._fields_pending or self._failed_at is not None
+            if self._buf:
+                # Never interpreted, but its invalid UTF-8 is still invalid UTF-8.
+                self._decode(self._buf)
             self._buf = b""
             self._data = []
         return []
@@ -243,13 +248,17 @@ class SSEParser:
         self._skip_lf = False
         raise SSELineTooLong(offset, self._max_line_bytes, events)
 
-    def _field(self, raw: bytes) -> None:
+    def _decode(self, raw: bytes) -> str:
         try:
-            line = raw.decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
-            line = raw.decode("utf-8", "replace")
+            text = raw.decode("utf-8", "replace")
             # A U+FFFD that arrived as valid UTF-8 is data, not a replacement.
-            self._invalid_utf8 += line.count("\ufffd") - raw.count(_ENCODED_REPLACEMENT_CHAR)
+            self._invalid_utf8 += text.count("\ufffd") - raw.count(_ENCODED_REPLACEMENT_CHAR)
+            return text
+
+    def _field(self, raw: bytes) -> None:
+        line = self._decode(raw)
         if line.startswith("data:"):
             self._fields_pending = True
             self._data.append(line[6:] if line.startswith(" ", 5) else line[5:])

@@ -26,6 +26,8 @@ from calculet_sim.profile import Knobs
 from calculet_sim.traces import now_ns
 
 ENGINE = web.AppKey("engine", Engine)
+# lifecycle.reset outcome -> HTTP status of POST /admin/reset
+_RESET_STATUS = {"ok": 200, "coalesced": 409, "refused": 409, "failed": 500}
 _OPERATOR = re.compile(r"[A-Za-z0-9._@\-]{1,64}")
 _Action = Callable[[web.Request, Any], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -87,6 +89,7 @@ def add_routes(
 
     def guarded(action: str, fn: _Action) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
+            before = _Before(eng)
             operator = request.headers.get("X-Operator", "unknown")
             if not _OPERATOR.fullmatch(operator):
                 operator = "invalid-operator-header"
@@ -97,12 +100,13 @@ def add_routes(
                     try:
                         params = await request.json()
                     except ValueError:
-                        return _audit(eng, operator, action, {}, 400, "invalid_json")
-                status, body = await fn(request, params)
-                return _audit(eng, operator, action, params, status, body)
+                        body = {"error": "body: invalid JSON"}
+                        return _audit(eng, before, operator, action, {}, 400, body)
+                status, result = await fn(request, params)
+                return _audit(eng, before, operator, action, params, status, result)
             status = 401 if not auth else 403
             message = "admin token required" if status == 401 else "admin token rejected"
-            resp = _audit(eng, operator, action, {}, status, {"error": message})
+            resp = _audit(eng, before, operator, action, {}, status, {"error": message})
             if status == 401:
                 resp.headers["WWW-Authenticate"] = 'Bearer realm="calculet-sim admin"'
             return resp
@@ -119,11 +123,29 @@ def add_routes(
     app.router.add_post("/admin/shutdown", guarded("shutdown", _shutdown))
 
 
+class _Before:
+    """What the audit log records of the instance as an admin call arrives."""
+
+    __slots__ = ("generation", "in_flight", "queued", "state")
+
+    def __init__(self, eng: Engine) -> None:
+        self.state = eng.state
+        self.generation = eng.generation
+        # The requests an action may affect: admitted and not finished (spec §12.4).
+        self.in_flight = len(eng.active)
+        self.queued = len(eng.waiting)
+
+
 def _audit(
-    eng: Engine, operator: str, action: str, params: Any, status: int, body: Any
+    eng: Engine,
+    before: _Before,
+    operator: str,
+    action: str,
+    params: Any,
+    status: int,
+    body: dict[str, Any],
 ) -> web.Response:
     wall, mono = now_ns()
-    before = getattr(eng, "_audit_before", (eng.state, eng.generation))
     eng.traces.write(
         "audit",
         AuditRow(
@@ -134,16 +156,16 @@ def _audit(
             params=params if isinstance(params, dict) else {"value": repr(params)[:200]},
             outcome="ok" if status < 400 else "refused" if status in (401, 403) else "error",
             http_status=status,
-            state_before=before[0],
+            state_before=before.state,
             state_after=eng.state,
-            generation_before=before[1],
+            generation_before=before.generation,
             generation_after=eng.generation,
-            in_flight_jobs=eng.left_jobs,
-            queued_requests=len(eng.waiting),
-            versions={"calbin_sha256": eng.calbin_sha256, **eng.p.versions},
+            in_flight_jobs=before.in_flight,
+            queued_requests=before.queued,
+            versions={**eng.p.versions, "calbin_sha256": eng.calbin_sha256},
         ),
     )
-    return web.json_response(body if isinstance(body, dict) else {"result": body}, status=status)
+    return web.json_response(body, status=status)
 
 
 async def _state(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
@@ -151,9 +173,7 @@ async def _state(request: web.Request, params: Any) -> tuple[int, dict[str, Any]
 
 
 def _engine(request: web.Request) -> Engine:
-    eng = request.app[ENGINE]
-    eng._audit_before = (eng.state, eng.generation)  # type: ignore[attr-defined]
-    return eng
+    return request.app[ENGINE]
 
 
 async def _list(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:
@@ -203,7 +223,7 @@ async def _reset(request: web.Request, params: Any) -> tuple[int, dict[str, Any]
     eng = _engine(request)
     operator = request.headers.get("X-Operator", "unknown")
     result = await lifecycle.reset(eng, "admin", operator=operator)
-    return (200 if result.get("reset") == "ok" else 500), result
+    return _RESET_STATUS[result["reset"]], result
 
 
 async def _load(request: web.Request, params: Any) -> tuple[int, dict[str, Any]]:

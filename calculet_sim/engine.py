@@ -15,6 +15,7 @@ import collections
 import itertools
 import random
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,11 @@ from calculet_sim.tokens import EOS, WORD_BASE, OutputModel, key_of, splitmix64
 from calculet_sim.traces import TraceWriter, now_ns
 
 UINT32_MAX = 2**32 - 1
+# The event loop's timers wake in whole milliseconds (epoll), so a shorter sleep costs
+# about 1 ms; sleeps below this are owed rather than slept (see Engine.sleep_ms).
+_MIN_SLEEP_S = 0.001
+# A task that did not sleep for this long was idle: its debt or credit is dropped.
+_PACE_GAP_S = 0.002
 
 
 class Reject(Exception):
@@ -39,6 +45,7 @@ class Reject(Exception):
 class GenRequest:
     __slots__ = (
         "ignore_eos",
+        "length_field",
         "max_tokens",
         "model",
         "prompt_ids",
@@ -57,6 +64,7 @@ class GenRequest:
         temperature: float = 0.0,
         seed: int | None = None,
         model: str | None = None,
+        length_field: str = "max_tokens",
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -65,6 +73,8 @@ class GenRequest:
         self.temperature = temperature
         self.seed = seed
         self.model = model
+        # The wire name of max_tokens (n_predict on llama.cpp), for error messages.
+        self.length_field = length_field
 
 
 # Items on a sequence's output queue.
@@ -95,6 +105,7 @@ class Seq:
         self.busy = False
         self.cancelled = False
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.blocked_on = "slot"  # what admission last waited for: slot, kv or buffer
         self.ready_mono = 0
         self.generation = 0
 
@@ -140,6 +151,7 @@ class Engine:
         self.quarantined_total = 0
         self.kv_waits = 0
         self.kv_rejects = 0
+        self.buffer_waits = 0
         self.pending_jobs = 0
         self.left_jobs = 0
         self.finished_jobs = 0
@@ -161,6 +173,8 @@ class Engine:
         self._leak_fds: list[Any] = []
         self.unavailable_until_ns = 0
         self.metrics: Any = None  # SimMetrics, set by the server
+        # Per task: (sleep owed in s, negative = overslept; when it last slept), sleep_ms.
+        self._pace = weakref.WeakKeyDictionary[asyncio.Task[Any], tuple[float, float]]()
 
     # ----------------------------------------------------------------- plumbing
     def event(self, event: ServerEvent, seq: Seq | None = None, **kw: Any) -> None:
@@ -168,6 +182,9 @@ class Engine:
             return
         wall, mono = now_ns()
         detail = kw.pop("detail", None)
+        if seq is not None and "job_id" in kw and kw.get("step_index") is None:
+            # A job event of a sequence belongs to the step that sequence is running.
+            kw["step_index"] = seq.n_generated
         self.traces.write(
             "server_events",
             ServerEventRow(
@@ -183,8 +200,31 @@ class Engine:
         )
 
     async def sleep_ms(self, ms: float) -> None:
-        if ms > 0 and self.scale > 0:
-            await asyncio.sleep(ms * self.scale / 1000.0)
+        """Let `ms` simulated milliseconds pass (`ms * time_scale` real ones).
+
+        The loop's timers wake on whole milliseconds, so sleeping each phase would cost
+        ~1 ms however short it is, and a small time scale would run many times slower
+        than asked. Instead each task owes its short phases and sleeps once the debt
+        reaches a millisecond; what one wake-up oversleeps is taken off the next phases.
+        Over a job the slept time matches the model; a single sub-ms phase is lumpy.
+        """
+        if ms <= 0 or self.scale <= 0:
+            return
+        task = asyncio.current_task()
+        now = time.monotonic()
+        owed, last = self._pace.get(task, (0.0, 0.0)) if task is not None else (0.0, 0.0)
+        if now - last > _PACE_GAP_S:
+            owed = 0.0  # idle since: the old debt or credit belongs to no one now
+        owed += ms * self.scale / 1000.0
+        if owed >= _MIN_SLEEP_S:
+            await asyncio.sleep(owed)
+            end = time.monotonic()
+            owed = max(owed - (end - now), -_MIN_SLEEP_S)
+        else:
+            await asyncio.sleep(0)
+            end = time.monotonic()
+        if task is not None:
+            self._pace[task] = (owed, end)
 
     def set_state(self, state: str, reason: str) -> None:
         if state != self.state:
@@ -208,44 +248,54 @@ class Engine:
             f.close()
 
     # --------------------------------------------------------------- admission
-    def accept(self, req: GenRequest) -> Seq:
-        """Validate lengths (400 before submit, device untouched) and create the sequence."""
+    def output_limit(self, req: GenRequest) -> int:
+        """Validate lengths (400 before submit, device untouched); the tokens to generate."""
         sched = self.p.scheduling
         n_prompt = len(req.prompt_ids)
         broken = self.faults.broken("illegal_length")
         max_new = req.max_tokens
-        if not broken:
+        if broken:
+            max_new &= UINT32_MAX  # a C wrapper's uint32 cast: 2**32 + 8 becomes 8
+        else:
+            field = req.length_field
             if n_prompt == 0:
                 raise Reject(400, "invalid_length", "prompt: must contain at least 1 token")
-            if not 1 <= max_new <= UINT32_MAX:
-                raise Reject(
-                    400, "invalid_length", f"max_tokens: {max_new} outside 1..{UINT32_MAX}"
-                )
             if n_prompt > sched.max_context:
                 raise Reject(
                     400,
                     "context_length_exceeded",
                     f"prompt: {n_prompt} tokens exceed max context {sched.max_context}",
                 )
+            if not 1 <= max_new <= UINT32_MAX:
+                raise Reject(400, "invalid_length", f"{field}: {max_new} outside 1..{UINT32_MAX}")
             if n_prompt + max_new > sched.max_context:
                 if sched.context_overflow == "reject":
                     raise Reject(
                         400,
                         "context_length_exceeded",
-                        f"prompt {n_prompt} + max_tokens {max_new} exceed max context "
+                        f"{field}: prompt {n_prompt} + {field} {max_new} exceed max context "
                         f"{sched.max_context}",
                     )
                 max_new = sched.max_context - n_prompt
-        if self.state in ("stopped", "failed"):
-            raise Reject(503, "unavailable", f"instance is {self.state}")
-        model = OutputModel(
+        return max(max_new, 1)
+
+    def output_model(self, req: GenRequest) -> OutputModel:
+        out = self.p.output
+        return OutputModel(
             self._sampling_key(req),
-            self.p.output.vocab_size,
-            self.p.output.multibyte_rate,
-            self.p.output.eos_probability,
+            out.vocab_size,
+            out.multibyte_rate,
+            out.eos_probability,
             req.ignore_eos,
         )
-        seq = Seq(next(self._seq_ids), req, model, max(max_new, 1))
+
+    def accept(self, req: GenRequest) -> Seq:
+        """Validate lengths (400 before submit, device untouched) and create the sequence."""
+        n_prompt = len(req.prompt_ids)
+        max_new = self.output_limit(req)
+        if self.state in ("stopped", "failed"):
+            raise Reject(503, "unavailable", f"instance is {self.state}")
+        seq = Seq(next(self._seq_ids), req, self.output_model(req), max_new)
         seq.generation = self.generation
         seq.ready_mono = time.monotonic_ns()
         self.event(
@@ -254,7 +304,8 @@ class Engine:
         return seq
 
     def _sampling_key(self, req: GenRequest) -> int:
-        key = key_of(req.prompt_ids) ^ (self.generation * 0x51ED27)
+        # Not keyed on the generation: a golden re-run after a reset or load must match.
+        key = key_of(req.prompt_ids) ^ 0x51ED27
         if req.temperature > 0:
             seed = req.seed if req.seed is not None else self.rng.getrandbits(63)
             key = splitmix64(key ^ splitmix64(seed) ^ int(req.temperature * 1000))
@@ -263,6 +314,17 @@ class Engine:
     async def admit(self, seq: Seq) -> None:
         """Wait (bounded) for a slot, KV and a buffer lease; raise Reject on overload."""
         sched = self.p.scheduling
+        need = seq.prompt_len + seq.max_new
+        if need > sched.kv_budget_tokens:
+            # It could never be admitted: say so now instead of after the admission wait.
+            self.kv_rejects += 1
+            self._reject_event(seq, 400, "kv_budget_exceeded")
+            raise Reject(
+                400,
+                "kv_budget_exceeded",
+                f"{seq.req.length_field}: prompt {seq.prompt_len} + {seq.max_new} tokens "
+                f"exceed the KV budget of {sched.kv_budget_tokens} tokens",
+            )
         if len(self.waiting) >= sched.queue_max:
             self.counters["rejected_queue_full"] += 1
             self._reject_event(seq, 429, "queue_full")
@@ -280,6 +342,8 @@ class Engine:
                 await asyncio.wait_for(asyncio.shield(seq.admitted), timeout_s)
         except TimeoutError:
             self._drop_waiting(seq)
+            if seq.blocked_on == "kv":
+                self.kv_rejects += 1
             self.counters["rejected_admission_timeout"] += 1
             self._reject_event(seq, 503, "admission_timeout")
             raise Reject(
@@ -326,12 +390,15 @@ class Engine:
                 self.event(ServerEvent.SLOT_ASSIGNED, seq)
             need = seq.prompt_len + seq.max_new
             if self.faults.is_active("kv_full", scale) or need > self.kv_free():
+                seq.blocked_on = "kv"
                 self.kv_waits += 1
                 return
             pool_fault = self.faults.is_active("buffer_pool_full", scale)
             shared = False
             if pool_fault is not None or self.free_leases() <= 0:
                 if pool_fault is None or not pool_fault.broken or not self.leases:
+                    seq.blocked_on = "buffer"
+                    self.buffer_waits += 1
                     return
                 shared = True  # broken: hands out a buffer another request is using
             self.waiting.popleft()
@@ -377,11 +444,8 @@ class Engine:
             seq.slot_held = False
             self.slots_in_use -= 1
         self.kv_allocated -= seq.kv_reserved
-        if (
-            seq.lease is not None
-            and not seq.shared_lease
-            and self.leases.get(seq.lease) == seq.seq_id
-        ):
+        # A lease shared by a broken fault belongs to its first owner, who frees it.
+        if seq.lease is not None and self.leases.get(seq.lease) == seq.seq_id:
             del self.leases[seq.lease]
         if quarantine:
             self.kv_quarantined += seq.kv_reserved

@@ -100,7 +100,7 @@ class FaultInjector:
                 raise FaultSpecError(f"{key}: unknown parameter")
             if not isinstance(value, types) or (bool in types) != isinstance(value, bool):
                 raise FaultSpecError(f"{key}: expected {types[0].__name__}")
-            number = float(value)  # type: ignore[arg-type]
+            number = float(value)
             if key in ("count", "delay_ms", "duration_ms") and number < 0:
                 raise FaultSpecError(f"{key}: must be >= 0")
             if key == "probability" and not 0 <= number <= 1:

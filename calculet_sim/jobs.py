@@ -6,7 +6,6 @@ prepare/H2D/BF16 on the host -> submit (before_submit) -> device Wait (override_
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,10 @@ from calculet_sim.tokens import EOS
 
 if TYPE_CHECKING:
     from calculet_sim.engine import Engine, Job
+
+
+# `Engine.unavailable_until_ns` of a device that stays gone until the next reset.
+UNTIL_RESET = 2**63 - 1
 
 
 def _ms_since(t_ns: int) -> float:
@@ -106,11 +109,9 @@ async def _submit(eng: Engine, job: Job) -> bool:
             rc = F.RC_BUSY
         elif time.monotonic_ns() < eng.unavailable_until_ns:
             rc = F.RC_UNAVAILABLE
-        elif fault := eng.faults.fire("device_unavailable", scale):
+        elif eng.faults.fire("device_unavailable", scale):
             rc = F.RC_UNAVAILABLE
-            eng.unavailable_until_ns = time.monotonic_ns() + int(
-                (fault.duration_ms or sched.reset_ms) * 1e6 * scale
-            )
+            eng.unavailable_until_ns = UNTIL_RESET  # a dropped-out device needs a reset
         elif job.kind == "prefill" and (fault := eng.faults.fire("invalid_shape", scale)):
             rc = fault.rc or F.RC_INVALID_SHAPE
         if rc is None:
@@ -139,9 +140,10 @@ async def _submit(eng: Engine, job: Job) -> bool:
             return False
         if rc == F.RC_UNAVAILABLE:
             _fail_all(eng, job, 503, "device_unavailable", "device unavailable (rc=18)")
+            # Broken: keeps admitting and submitting to a device that will not come back.
             if not eng.faults.broken("device_unavailable"):
-                eng.set_state("recovering", "device_unavailable")
-                eng.unavailable_until_ns = 0
+                if eng.state == "ready":
+                    eng.set_state("recovering", "device_unavailable")  # admission stops
                 _schedule_reset(eng, "device_unavailable")
             return False
         # rc 21/22: the artifact cannot run this shape/dtype.
@@ -181,9 +183,9 @@ def _fail_all(eng: Engine, job: Job, status: int, code: str, msg: str, **kw: boo
 
 
 def _schedule_reset(eng: Engine, reason: str) -> None:
-    from calculet_sim.lifecycle import reset
+    from calculet_sim.lifecycle import reset, spawn
 
-    asyncio.get_running_loop().create_task(reset(eng, reason))
+    spawn(reset(eng, reason))
 
 
 def _on_wait_timeout(eng: Engine, job: Job, rc: int) -> None:

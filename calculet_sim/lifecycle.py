@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from calculet_load.schema import ServerEvent
@@ -16,6 +17,15 @@ if TYPE_CHECKING:
     from calculet_sim.engine import Engine
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# The loop keeps only weak references to tasks: hold recovery tasks until they finish.
+_TASKS: set[asyncio.Task[Any]] = set()
+
+
+def spawn(coro: Coroutine[Any, Any, Any]) -> None:
+    """Run a recovery action in the background (a reset, a supervisor restart)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 def _fail_active(eng: Engine, status: int, code: str, message: str) -> int:
@@ -46,6 +56,8 @@ def _switch_generation(eng: Engine, reason: str) -> None:
 
 async def reset(eng: Engine, reason: str, operator: str | None = None) -> dict[str, Any]:
     """Soft-reset the device: rate-limited with exponential backoff (spec §12.3)."""
+    if eng.state == "stopped":
+        return {"reset": "refused", "state": eng.state}
     if eng._resetting:
         return {"reset": "coalesced"}
     eng._resetting = True
@@ -90,7 +102,7 @@ async def _reset(eng: Engine, reason: str, operator: str | None) -> dict[str, An
         )
         eng.set_state("failed", "reset_failure")
         if not eng.faults.broken("reset_failure"):
-            asyncio.get_running_loop().create_task(_supervisor_restart(eng))
+            spawn(_supervisor_restart(eng))
         return {"reset": "failed", "state": eng.state}
     _scrub_quarantine(eng)
     _switch_generation(eng, reason)
@@ -111,8 +123,10 @@ async def _reset(eng: Engine, reason: str, operator: str | None) -> dict[str, An
 
 
 def _scrub_quarantine(eng: Engine) -> None:
+    """After a reset the device writes nothing more: quarantined memory is safe again."""
     eng.kv_quarantined = 0
     eng.leases_quarantined = 0
+    eng.unavailable_until_ns = 0  # a device that dropped out (rc=18) is back
 
 
 async def _supervisor_restart(eng: Engine) -> None:
@@ -162,6 +176,7 @@ async def load(eng: Engine, params: dict[str, Any]) -> tuple[int, dict[str, Any]
         await eng.idle.wait()
         _switch_generation(eng, "load")
     eng.calbin_sha256 = sha
+    eng.isolated_shapes.clear()  # the new artifact may run the shapes the old one could not
     eng._warm_left = eng.p.timing.warmup_requests
     drain_ms = (time.monotonic_ns() - t0) / 1e6
     eng.event(

@@ -58,6 +58,11 @@ class _EngineCollector(Collector):
             "calculet_resets": ("Device resets", e.reset_count),
             "calculet_generation_changes": ("Generation changes", e.generation_changes),
             "calculet_kv_waits": ("Admission attempts that waited for KV", e.kv_waits),
+            "calculet_kv_rejects": ("Requests refused for want of KV", e.kv_rejects),
+            "calculet_buffer_pool_waits": (
+                "Admission attempts that waited for an OutputBuf lease",
+                e.buffer_waits,
+            ),
             "calculet_ccu_exceptions": ("CCU exceptions", e.counters["ccu_exception"]),
             "calculet_runtime_timeouts": ("Wait timeouts (rc=13)", e.counters["runtime_rc13"]),
             "calculet_runtime_busy": ("DeviceBusy (rc=17)", e.counters["runtime_rc17"]),

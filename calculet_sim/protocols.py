@@ -13,15 +13,15 @@ import json
 import time
 from typing import Any
 
-from calculet_sim.engine import UINT32_MAX, GenRequest, Reject
-from calculet_sim.tokens import Tokenizer
+from calculet_sim.engine import GenRequest, Reject
+from calculet_sim.tokens import NEWLINE, SPECIAL_TOKENS, Tokenizer
 
-# Chat template: each message costs 4 tokens of markup, the assistant primer 3.
-_MSG_MARKUP = [151644, 151645, 198, 271]
-_PRIMER = [151644, 77091, 198]
+_ROLES = SPECIAL_TOKENS[2:]
 
 
-def _field(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any) -> Any:
+def _field(
+    body: dict[str, Any], name: str, types: tuple[type, ...], default: Any, where: str = ""
+) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
@@ -29,7 +29,9 @@ def _field(body: dict[str, Any], name: str, types: tuple[type, ...], default: An
     if not isinstance(value, types) or (is_bool and bool not in types):
         names = "/".join(t.__name__ for t in types)
         raise Reject(
-            400, "invalid_request", f"{name}: expected {names}, got {type(value).__name__}"
+            400,
+            "invalid_request",
+            f"{where}{name}: expected {names}, got {type(value).__name__}",
         )
     return value
 
@@ -39,6 +41,10 @@ def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | No
     if value is not None and not -(2**63) <= value <= 2**64:
         raise Reject(400, "invalid_length", f"{name}: {value} out of range")
     return value  # type: ignore[no-any-return]
+
+
+# Above this the sampling key would overflow; no real sampler goes near it either.
+_MAX_TEMPERATURE = 1e6
 
 
 def _prompt_ids(value: Any, tok: Tokenizer, field: str) -> list[int]:
@@ -59,17 +65,27 @@ def _prompt_ids(value: Any, tok: Tokenizer, field: str) -> list[int]:
 def _chat_ids(messages: Any, tok: Tokenizer) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise Reject(400, "invalid_request", "messages: expected a non-empty list")
+    # ChatML: each message costs 4 tokens of markup
+    # (<|im_start|> role content <|im_end|> "\n"), the assistant primer 3.
+    start, end = tok.special("<|im_start|>"), tok.special("<|im_end|>")
+    assert start is not None and end is not None
     ids: list[int] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise Reject(400, "invalid_request", f"messages[{i}]: expected an object")
-        if not isinstance(m.get("role"), str):
-            raise Reject(400, "invalid_request", f"messages[{i}].role: expected a string")
+        role = m.get("role")
+        role_id = tok.special(role) if role in _ROLES else None
+        if role_id is None:
+            raise Reject(
+                400, "invalid_request", f"messages[{i}].role: expected one of {', '.join(_ROLES)}"
+            )
         content = m.get("content")
         if not isinstance(content, str):
             raise Reject(400, "invalid_request", f"messages[{i}].content: expected a string")
-        ids += _MSG_MARKUP[:2] + tok.encode(content) + _MSG_MARKUP[2:]
-    return ids + _PRIMER
+        ids += [start, role_id, *tok.encode(content), end, NEWLINE]
+    assistant = tok.special("assistant")
+    assert assistant is not None
+    return [*ids, start, assistant, NEWLINE]
 
 
 class Options:
@@ -97,22 +113,27 @@ def parse_request(
             raise Reject(400, "invalid_request", "prompt: required")
         ids = _prompt_ids(body["prompt"], tok, "prompt")
     if protocol == "llama":
+        length_field = "n_predict"
         n_predict = _int_field(body, "n_predict", -1)
-        max_tokens = max_context - len(ids) if n_predict == -1 else n_predict
+        # -1: until the context is full (at least 1, so an over-long prompt is
+        # reported as such by the length check, not as a negative n_predict).
+        max_tokens = max(max_context - len(ids), 1) if n_predict == -1 else n_predict
     else:
+        length_field = "max_completion_tokens"
         max_tokens = _int_field(body, "max_completion_tokens", None)
         if max_tokens is None:
+            length_field = "max_tokens"
             max_tokens = _int_field(body, "max_tokens", 16)
-    assert max_tokens is not None
-    if max_tokens > UINT32_MAX or max_tokens < -(2**31):
-        raise Reject(400, "invalid_length", f"max_tokens: {max_tokens} overflows uint32")
+    assert max_tokens is not None  # its uint32 bounds are the engine's length check
     temperature = float(_field(body, "temperature", (int, float), 0.0))
-    if temperature < 0 or temperature != temperature:
-        raise Reject(400, "invalid_request", "temperature: must be >= 0")
+    if not (0 <= temperature <= _MAX_TEMPERATURE):  # also refuses NaN and Infinity
+        raise Reject(
+            400, "invalid_request", f"temperature: {temperature} outside 0..{_MAX_TEMPERATURE:g}"
+        )
     stream = _field(body, "stream", (bool,), False)
     opts_raw = _field(body, "stream_options", (dict,), {})
-    include = _field(opts_raw, "include_usage", (bool,), False)
-    continuous = _field(opts_raw, "continuous_usage_stats", (bool,), False)
+    include = _field(opts_raw, "include_usage", (bool,), False, "stream_options.")
+    continuous = _field(opts_raw, "continuous_usage_stats", (bool,), False, "stream_options.")
     _field(body, "cache_prompt", (bool,), True)
     _field(body, "return_tokens", (bool,), True)
     req = GenRequest(
@@ -123,6 +144,7 @@ def parse_request(
         temperature=temperature,
         seed=_int_field(body, "seed", None),
         model=_field(body, "model", (str,), None),
+        length_field=length_field,
     )
     opts = Options(protocol, stream, include, continuous)
     return req, opts
@@ -136,12 +158,15 @@ def dumps(obj: Any) -> str:
 class Formatter:
     """Builds the events of one response. `usage(n)` is cumulative output tokens."""
 
-    def __init__(self, opts: Options, req: GenRequest, model_name: str) -> None:
+    def __init__(
+        self, opts: Options, req: GenRequest, model_name: str, fingerprint: str = "calculet-sim"
+    ) -> None:
         self.o = opts
         self.prompt_tokens = len(req.prompt_ids)
         self.model = req.model or model_name
         self.created = int(time.time())
         self.id = ("chatcmpl-" if opts.protocol == "chat" else "cmpl-") + req.request_id
+        self.fingerprint = fingerprint
 
     def usage(self, n: int) -> dict[str, int]:
         return {
@@ -156,6 +181,7 @@ class Formatter:
             "object": "chat.completion.chunk" if self.o.protocol == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if self.o.continuous_usage or final_usage:
@@ -189,22 +215,31 @@ class Formatter:
         choice = {"index": 0, key: payload, "logprobs": logprob, "finish_reason": None}
         return self._chunk([choice], n_total)
 
+    def _llama_final(
+        self, text: str, ids: list[int], reason: str, n: int, timings: dict[str, float]
+    ) -> dict[str, Any]:
+        # Keys in the order of llama.cpp's last event (protocol-samples), minus
+        # generation_settings and the echoed prompt.
+        return {
+            "index": 0,
+            "content": text,
+            "tokens": ids,
+            "id_slot": 0,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": n,
+            "tokens_evaluated": self.prompt_tokens,
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": "eos" if reason == "stop" else "limit",
+            "stopping_word": "",
+            "tokens_cached": self.prompt_tokens + n,
+            "timings": timings,
+        }
+
     def finish(self, reason: str, n_total: int, timings: dict[str, float]) -> list[str]:
         if self.o.protocol == "llama":
-            obj = {
-                "index": 0,
-                "content": "",
-                "tokens": [],
-                "id_slot": 0,
-                "stop": True,
-                "model": self.model,
-                "tokens_predicted": n_total,
-                "tokens_evaluated": self.prompt_tokens,
-                "stop_type": "eos" if reason == "stop" else "limit",
-                "truncated": False,
-                "timings": timings,
-            }
-            return [dumps(obj)]
+            return [dumps(self._llama_final("", [], reason, n_total, timings))]
         key = "delta" if self.o.protocol == "chat" else "text"
         choice = {"index": 0, key: {} if key == "delta" else "", "logprobs": None}
         choice["finish_reason"] = reason
@@ -223,19 +258,10 @@ class Formatter:
     ) -> dict[str, Any]:
         """The non-streaming response body."""
         if self.o.protocol == "llama":
-            return {
-                "index": 0,
-                "content": text,
-                "tokens": ids,
-                "id_slot": 0,
-                "stop": True,
-                "model": self.model,
-                "tokens_predicted": n,
-                "tokens_evaluated": self.prompt_tokens,
-                "stop_type": "eos" if reason == "stop" else "limit",
-                "timings": timings,
-                **({"probs": [{"logprob": float("nan")}]} if nan else {}),
-            }
+            final = self._llama_final(text, ids, reason, n, timings)
+            if nan:
+                final["probs"] = [{"logprob": float("nan")}]
+            return final
         logprobs = {"logprob": float("nan")} if nan else None
         if self.o.protocol == "chat":
             choice: dict[str, Any] = {
@@ -253,6 +279,7 @@ class Formatter:
             "object": obj,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": [choice],
             "usage": self.usage(n),
         }

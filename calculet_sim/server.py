@@ -23,10 +23,12 @@ from calculet_sim.faults import FaultInjector
 from calculet_sim.metrics import SimMetrics
 from calculet_sim.profile import Profile
 from calculet_sim.protocols import Formatter, Options, dumps, parse_request, timings
-from calculet_sim.tokens import OutputModel, Tokenizer, Utf8Stream, key_of
+from calculet_sim.tokens import EOS, Tokenizer, Utf8Stream
 from calculet_sim.traces import TRACE_FILES, TraceWriter, now_ns
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# A 40960-token prompt is well under 1 MiB of JSON, even as token ids.
+MAX_BODY_BYTES = 8 * 2**20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -39,15 +41,24 @@ def error_response(status: int, code: str, message: str, rid: str | None = None)
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     rid = request.headers.get("X-Request-Id")
+    if rid is not None and not _RID.fullmatch(rid):
+        rid = None  # never echo a malformed header back
     try:
-        return await handler(request)
+        resp = await handler(request)
     except Reject as exc:
         return error_response(exc.status, exc.code, exc.message, rid)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = (exc.reason or "error").lower().replace(" ", "_")
-        return error_response(exc.status, code, f"{request.method} {request.path}: {exc.reason}")
+        if exc.status == 413:
+            message = f"body: larger than {MAX_BODY_BYTES} bytes"
+        else:
+            message = f"{request.method} {request.path}: {exc.reason}"
+        return error_response(exc.status, code, message, rid)
+    if rid is not None and not resp.prepared and "X-Request-Id" not in resp.headers:
+        resp.headers["X-Request-Id"] = rid
+    return resp
 
 
 class Sim:
@@ -82,6 +93,14 @@ class Sim:
             raise Reject(400, "invalid_json", f"body: invalid UTF-8 at byte {exc.start}") from None
         except json.JSONDecodeError as exc:
             raise Reject(400, "invalid_json", f"body: {exc.msg} at byte {exc.pos}") from None
+        except RecursionError:
+            raise Reject(400, "invalid_json", "body: nested too deeply") from None
+        except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
+            raise Reject(400, "invalid_json", f"body: {exc}") from None
+
+    def formatter(self, opts: Options, req: GenRequest) -> Formatter:
+        fingerprint = self.profile.versions.get("server_commit", "calculet-sim")
+        return Formatter(opts, req, self.profile.output.model_name, fingerprint)
 
     # ------------------------------------------------------------- generation
     def endpoint(self, protocol: str) -> Handler:
@@ -128,7 +147,7 @@ class Sim:
         resp = web.StreamResponse(headers=self._headers(req.request_id))
         await resp.prepare(request)
         _nodelay(request)
-        fmt = Formatter(opts, req, out.model_name)
+        fmt = self.formatter(opts, req)
         utf8 = Utf8Stream(out.utf8_holdback)
         k = out.tokens_per_event
         group: list[tuple[int, int]] = []  # (token id, step) not yet sent
@@ -156,7 +175,8 @@ class Sim:
             if kind == "finish":
                 text += utf8.flush()
             if group and (text or kind != "token"):
-                ids = [t for t, _ in group[held:]]
+                # At the end, held tokens flush without a newer one: name the last.
+                ids = [t for t, _ in group[held:]] or [group[-1][0]]
                 ev = fmt.tokens(text, ids, seq.n_generated_sent + len(group), nan_any)
                 await resp.write(b"data: " + ev.encode() + b"\n\n")
                 self._flushed(seq, group)
@@ -216,7 +236,7 @@ class Sim:
         text = utf8.feed(b"".join(self.tok.piece(t) for t in ids)) + utf8.flush()
         prompt_ms = (t_first - t_admitted) / 1e6 if t_first else 0.0
         tm = timings(len(req.prompt_ids), prompt_ms, len(ids), (t_last - t_first) / 1e6)
-        fmt = Formatter(opts, req, self.profile.output.model_name)
+        fmt = self.formatter(opts, req)
         body = fmt.whole(text, ids, item[1], len(ids), tm, nan)
         self._flushed(seq, steps)
         return web.Response(
@@ -228,33 +248,52 @@ class Sim:
     async def _firehose(
         self, request: web.Request, req: GenRequest, opts: Options
     ) -> web.StreamResponse:
-        """No delays, many tokens per write: measures the client, not the server."""
+        """No delays, many tokens per write: measures the client, not the server.
+
+        Same validation and the same output ids as the timed path (so golden hashes
+        agree), but no device model, no scheduling and no traces.
+        """
         out = self.profile.output
-        n = min(req.max_tokens, self.profile.scheduling.max_context - len(req.prompt_ids))
-        model = OutputModel(key_of(req.prompt_ids), out.vocab_size, 0.0, 0.0, True)
-        fmt = Formatter(opts, req, out.model_name)
+        limit = self.engine.output_limit(req)
+        model = self.engine.output_model(req)
+        ids_all: list[int] = []
+        for i in range(limit):
+            tok = model.token_at(i)
+            if tok == EOS:
+                break
+            ids_all.append(tok)
+        n = len(ids_all)
+        reason = "length" if n == limit else "stop"
+        tm = timings(len(req.prompt_ids), 0, n, 0)
+        fmt = self.formatter(opts, req)
+        utf8 = Utf8Stream(out.utf8_holdback)
         if not opts.stream:
-            ids = [model.token_at(i) for i in range(n)]
-            text = b"".join(self.tok.piece(t) for t in ids).decode()
-            body = fmt.whole(text, ids, "length", n, timings(len(req.prompt_ids), 0, n, 0), False)
-            return web.Response(text=dumps(body), content_type="application/json")
+            text = utf8.feed(b"".join(self.tok.piece(t) for t in ids_all)) + utf8.flush()
+            body = fmt.whole(text, ids_all, reason, n, tm, False)
+            return web.Response(
+                text=dumps(body),
+                content_type="application/json",
+                headers={"X-Request-Id": req.request_id},
+            )
         resp = web.StreamResponse(headers=self._headers(req.request_id))
         await resp.prepare(request)
         _nodelay(request)
         k = out.tokens_per_event
         per_write = self.profile.firehose_tokens_per_write
         parts = [b"data: " + e.encode() + b"\n\n" for e in fmt.start()]
-        i = 0
-        while i < n:
-            ids = [model.token_at(j) for j in range(i, min(i + k, n))]
-            i += len(ids)
-            text = b"".join(self.tok.piece(t) for t in ids).decode()
-            parts.append(b"data: " + fmt.tokens(text, ids, i, False).encode() + b"\n\n")
-            if len(parts) * k >= per_write or i >= n:
+        in_parts = 0  # tokens in `parts`
+        for i in range(0, n, k):
+            ids = ids_all[i : i + k]
+            text = utf8.feed(b"".join(self.tok.piece(t) for t in ids))
+            if i + k >= n:
+                text += utf8.flush()
+            parts.append(b"data: " + fmt.tokens(text, ids, i + len(ids), False).encode() + b"\n\n")
+            in_parts += len(ids)
+            if in_parts >= per_write:
                 await resp.write(b"".join(parts))
-                parts = []
+                parts, in_parts = [], 0
                 await asyncio.sleep(0)
-        for ev in fmt.finish("length", n, timings(len(req.prompt_ids), 0, n, 0)):
+        for ev in fmt.finish(reason, n, tm):
             parts.append(b"data: " + ev.encode() + b"\n\n")
         await resp.write(b"".join(parts))
         await resp.write_eof()
@@ -331,17 +370,28 @@ class Sim:
 
     # ------------------------------------------------------- background tasks
     async def _device_sampler(self) -> None:
+        """A device row every simulated `sample_interval_s`, on a fixed grid (no drift).
+
+        The real period has a 1 ms floor (the loop's timer granularity); at a smaller
+        time scale a row covers several simulated seconds, which `sim_time_s` shows.
+        """
         eng = self.engine
         cfg = self.profile.device
-        period_s = cfg.sample_interval_s * (eng.scale or 1.0)
+        scale = eng.scale or 1.0
+        period_ns = max(int(cfg.sample_interval_s * scale * 1e9), 1_000_000)
         t_start = time.monotonic_ns()
         last_busy, last_t = eng.busy_ns, t_start
+        tick = 0
         while True:
-            await asyncio.sleep(period_s)
+            tick += 1
+            now = time.monotonic_ns()
+            if t_start + tick * period_ns < now:  # stalled: skip the missed samples
+                tick = (now - t_start) // period_ns + 1
+            await asyncio.sleep((t_start + tick * period_ns - now) / 1e9)
             now = time.monotonic_ns()
             util = (eng.busy_ns - last_busy) / max(now - last_t, 1)
+            eng.device.advance((now - last_t) / 1e9 / scale, util)
             last_busy, last_t = eng.busy_ns, now
-            eng.device.advance(cfg.sample_interval_s, util)
             wall, mono = now_ns()
             self.traces.write(
                 "device",
@@ -353,7 +403,7 @@ class Sim:
                     finished_jobs=eng.finished_jobs,
                     left_jobs=eng.left_jobs,
                     reset_count=eng.reset_count,
-                    sim_time_s=round((now - t_start) / 1e9 / (eng.scale or 1.0), 3),
+                    sim_time_s=round((now - t_start) / 1e9 / scale, 3),
                 ),
             )
 
@@ -393,7 +443,7 @@ def build_app(
     admin_token: str | None = None,
 ) -> web.Application:
     sim = Sim(profile, trace_dir)
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = sim.engine
     app.router.add_post("/v1/chat/completions", sim.endpoint("chat"))
     app.router.add_post("/v1/completions", sim.endpoint("completions"))

@@ -17,6 +17,11 @@ from collections.abc import Sequence
 PAD, BOS, EOS = 0, 1, 2
 BYTE_BASE = 3  # ids 3..258 are the byte-fallback tokens <0x00>..<0xFF>
 WORD_BASE = BYTE_BASE + 256
+NEWLINE = BYTE_BASE + 0x0A
+# The top ids of the vocabulary are the chat template's special tokens; word pieces
+# never use them, and every id the server hands out (a chat template from /tokenize
+# included) is inside the vocabulary, so it can be sent back as a prompt.
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "system", "user", "assistant", "tool")
 
 _PIECE = re.compile(r"\s*\S{1,8}|\s+")
 _SYLLABLES = (
@@ -40,6 +45,11 @@ def key_of(ids: Sequence[int]) -> int:
     return int.from_bytes(digest, "little")
 
 
+def n_words(vocab_size: int) -> int:
+    """How many word-piece ids a vocabulary has (between the bytes and the specials)."""
+    return vocab_size - WORD_BASE - len(SPECIAL_TOKENS)
+
+
 def token_hash(ids: Sequence[int]) -> str:
     """sha256 of the token ids as little-endian uint32: the output's identity."""
     return hashlib.sha256(array("I", ids).tobytes()).hexdigest()
@@ -50,8 +60,14 @@ class Tokenizer:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._n_words = vocab_size - WORD_BASE
+        self._n_words = n_words(vocab_size)
         self._pieces: dict[int, bytes] = {}
+
+    def special(self, name: str) -> int | None:
+        """The id of a special token of the chat template, None if there is no such one."""
+        if name not in SPECIAL_TOKENS:
+            return None
+        return self.vocab_size - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(name)
 
     def encode(self, text: str) -> list[int]:
         n = self._n_words
@@ -97,7 +113,7 @@ class OutputModel:
         ignore_eos: bool,
     ) -> None:
         self._key = key
-        self._n_words = vocab_size - WORD_BASE
+        self._n_words = n_words(vocab_size)
         self._mb_rate = int(multibyte_rate * 1_000_000)
         self._eos_p = int(eos_probability * 1_000_000)
         self.ignore_eos = ignore_eos

@@ -6,13 +6,13 @@ the server runs (`GET /traces/{kind}?offset=N`), so a long run is collected as i
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
-
-from calculet_load.schema import row_to_dict
 
 TRACE_FILES = {
     "server_events": "server_events.jsonl",
@@ -20,6 +20,30 @@ TRACE_FILES = {
     "device": "device.jsonl",
     "audit": "audit.jsonl",
 }
+
+
+_FIELDS: dict[type[Any], tuple[str, ...]] = {}
+
+
+def row_dict(row: Any) -> dict[str, Any]:
+    """`calculet_load.schema.row_to_dict`, with the field names cached per row type.
+
+    Several rows are written per generated token, and `dataclasses.fields()` on every
+    row was the largest single cost of the simulator's token path. A test pins that
+    the two functions agree.
+    """
+    names = _FIELDS.get(type(row))
+    if names is None:
+        names = _FIELDS[type(row)] = tuple(f.name for f in dataclasses.fields(row))
+    out: dict[str, Any] = {}
+    for name in names:
+        value = getattr(row, name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, list):
+            value = [row_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
+        out[name] = value
+    return out
 
 
 class TraceWriter:
@@ -45,7 +69,7 @@ class TraceWriter:
     def write(self, kind: str, row: Any) -> None:
         if not self.enabled(kind):
             return
-        line = json.dumps(row_to_dict(row), separators=(",", ":"), allow_nan=False)
+        line = _encode(row_dict(row))
         if kind == "audit":
             f = self._files[kind]
             f.write(line.encode() + b"\n")
@@ -76,6 +100,9 @@ class TraceWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 def now_ns() -> tuple[int, int]:

@@ -1,0 +1,318 @@
+"""Protocol adapters (DESIGN §3.1): build request bodies and read each event.
+
+An adapter turns one SSE `data:` payload into an `EventInfo`: the generated tokens it
+carried (from the server's cumulative counts: `usage.completion_tokens` with continuous
+usage stats, `tokens_predicted` on llama.cpp; counting content chunks is only a flagged
+fallback), the finish reason, the server's final total, an error. A role-only or
+usage-only event is an event (t3) but carries no token (t4). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import math
+from typing import Any, Literal
+
+ProtocolName = Literal["openai-chat", "openai-completions", "llama"]
+
+
+class ProtocolError(ValueError):
+    """The server broke the protocol; `error_class` says how (for the record)."""
+
+    def __init__(self, error_class: str, detail: str) -> None:
+        super().__init__(detail)
+        self.error_class = error_class
+
+
+@dataclasses.dataclass(slots=True)
+class EventInfo:
+    tokens: int = 0
+    cumulative: int | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False  # the protocol's end of stream ([DONE], llama stop)
+    final_total: int | None = None  # the server's total output tokens, when stated
+    prompt_tokens: int | None = None
+    error: str | None = None  # a server error event's message
+    error_type: str | None = None
+    timings: dict[str, Any] | None = None
+    nonfinite: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class CountState:
+    """Per-request counting state an adapter carries between events."""
+
+    cumulative: int = 0
+    source: str | None = None  # usage | tokens_predicted | chunks
+    events: int = 0
+
+
+class _NonFinite:
+    """json.loads hook: remembers that NaN/Infinity appeared, then returns the float."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, name: str) -> float:
+        self.seen = True
+        return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
+
+
+def load_json(data: str) -> tuple[Any, bool]:
+    """Parse JSON; returns (value, had NaN/Infinity). Raises ProtocolError(invalid_json)."""
+    hook = _NonFinite()
+    try:
+        return json.loads(data, parse_constant=hook), hook.seen
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"event data: {exc.msg} at char {exc.pos}") from None
+
+
+def _int(obj: Any, key: str) -> int | None:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError("protocol_violation", f"{key}: expected a non-negative integer")
+    return value
+
+
+def _error_of(obj: dict[str, Any]) -> tuple[str, str] | None:
+    err = obj.get("error")
+    if err is None:
+        return None
+    if isinstance(err, dict):
+        kind = err.get("type") or err.get("code") or "error"
+        return str(kind), str(err.get("message", ""))
+    return "error", str(err)
+
+
+class Adapter(abc.ABC):
+    name: ProtocolName
+    path: str
+
+    @abc.abstractmethod
+    def body(
+        self,
+        prompt: str | list[int],
+        max_tokens: int,
+        *,
+        stream: bool,
+        model: str | None,
+        temperature: float,
+        seed: int | None,
+        ignore_eos: bool,
+    ) -> dict[str, Any]:
+        """The JSON request body."""
+
+    @abc.abstractmethod
+    def event(self, data: str, state: CountState) -> EventInfo:
+        """One SSE `data:` payload."""
+
+    @abc.abstractmethod
+    def whole(self, body: bytes) -> EventInfo:
+        """A non-streaming response body as one event carrying every token."""
+
+    def _advance(self, info: EventInfo, state: CountState, cumulative: int, source: str) -> None:
+        if cumulative < state.cumulative:
+            raise ProtocolError(
+                "protocol_violation",
+                f"{source}: cumulative count went back from {state.cumulative} to {cumulative}",
+            )
+        info.tokens = cumulative - state.cumulative
+        info.cumulative = cumulative
+        state.cumulative = cumulative
+        state.source = source
+
+
+class OpenAIAdapter(Adapter):
+    """OpenAI chat or completions, streaming with usage on every chunk (vLLM style)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.name = "openai-chat" if chat else "openai-completions"
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+
+    def body(
+        self,
+        prompt: str | list[int],
+        max_tokens: int,
+        *,
+        stream: bool,
+        model: str | None,
+        temperature: float,
+        seed: int | None,
+        ignore_eos: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
+        if self.chat:
+            if not isinstance(prompt, str):
+                raise ValueError("openai-chat takes a text prompt (messages), not token ids")
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        if model:
+            body["model"] = model
+        body["temperature"] = temperature
+        if seed is not None:
+            body["seed"] = seed
+        if ignore_eos:
+            body["ignore_eos"] = True
+        if stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        return body
+
+    def event(self, data: str, state: CountState) -> EventInfo:
+        info = EventInfo()
+        if data == "[DONE]":
+            info.done = True
+            return info
+        obj, info.nonfinite = load_json(data)
+        if not isinstance(obj, dict):
+            raise ProtocolError("protocol_violation", "event: expected a JSON object")
+        err = _error_of(obj)
+        if err is not None:
+            info.error_type, info.error = err
+            return info
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            raise ProtocolError("protocol_violation", "choices: expected a list")
+        has_content = False
+        for ch in choices:
+            if not isinstance(ch, dict):
+                raise ProtocolError("protocol_violation", "choices[]: expected an object")
+            piece = ch.get("delta", {}).get("content") if self.chat else ch.get("text")
+            if piece:
+                info.text += piece
+                has_content = True
+            if ch.get("finish_reason"):
+                info.finish_reason = ch["finish_reason"]
+        usage = obj.get("usage")
+        completion = _int(usage, "completion_tokens") if usage is not None else None
+        if usage is not None:
+            info.prompt_tokens = _int(usage, "prompt_tokens")
+        if completion is not None and state.source in (None, "usage"):
+            self._advance(info, state, completion, "usage")
+            if not choices:  # the include_usage summary chunk: the final total
+                info.final_total = completion
+        elif completion is not None:
+            info.final_total = completion  # final usage after a chunk-counted stream
+        elif has_content:
+            # No per-chunk usage: one content chunk is counted as one token (flagged).
+            state.source = "chunks"
+            state.cumulative += 1
+            info.tokens = 1
+            info.cumulative = state.cumulative
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            info.timings = timings
+        return info
+
+    def whole(self, body: bytes) -> EventInfo:
+        obj, nonfinite = load_json(body.decode("utf-8", errors="replace"))
+        if not isinstance(obj, dict):
+            raise ProtocolError("protocol_violation", "body: expected a JSON object")
+        info = EventInfo(nonfinite=nonfinite, done=True)
+        err = _error_of(obj)
+        if err is not None:
+            info.error_type, info.error = err
+            return info
+        choices = obj.get("choices") or [{}]
+        ch = choices[0] if isinstance(choices[0], dict) else {}
+        msg = ch.get("message", {}) if self.chat else ch
+        text = msg.get("content") if self.chat else msg.get("text")
+        info.text = text if isinstance(text, str) else ""
+        info.finish_reason = ch.get("finish_reason")
+        total = _int(obj.get("usage"), "completion_tokens")
+        info.final_total = info.tokens = total if total is not None else 0
+        info.cumulative = total
+        return info
+
+
+class LlamaAdapter(Adapter):
+    """llama.cpp native `/completion`: counts from `tokens_predicted`; no `[DONE]`."""
+
+    name: ProtocolName = "llama"
+    path = "/completion"
+
+    def body(
+        self,
+        prompt: str | list[int],
+        max_tokens: int,
+        *,
+        stream: bool,
+        model: str | None,
+        temperature: float,
+        seed: int | None,
+        ignore_eos: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "stream": stream,
+            "cache_prompt": False,  # measure prefill every time
+            "temperature": temperature,
+            "return_tokens": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    def event(self, data: str, state: CountState) -> EventInfo:
+        info = EventInfo()
+        obj, info.nonfinite = load_json(data)
+        if not isinstance(obj, dict):
+            raise ProtocolError("protocol_violation", "event: expected a JSON object")
+        err = _error_of(obj)
+        if err is not None:
+            info.error_type, info.error = err
+            return info
+        content = obj.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ProtocolError("protocol_violation", "content: expected a string")
+        info.text = content or ""
+        predicted = _int(obj, "tokens_predicted")
+        if predicted is not None:
+            self._advance(info, state, predicted, "tokens_predicted")
+        elif info.text:
+            state.source = "chunks"
+            state.cumulative += 1
+            info.tokens = 1
+            info.cumulative = state.cumulative
+        info.prompt_tokens = _int(obj, "tokens_evaluated")
+        if obj.get("stop") is True:
+            info.done = True
+            timings = obj.get("timings")
+            if isinstance(timings, dict):
+                info.timings = timings
+                info.final_total = _int(timings, "predicted_n")
+            if info.final_total is None:
+                info.final_total = predicted
+            stop_type = obj.get("stop_type")
+            info.finish_reason = "stop" if stop_type in ("eos", "word") else "length"
+        return info
+
+    def whole(self, body: bytes) -> EventInfo:
+        info = self.event(body.decode("utf-8", errors="replace"), CountState())
+        info.done = True
+        return info
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "openai-chat": OpenAIAdapter(chat=True),
+    "openai-completions": OpenAIAdapter(chat=False),
+    "llama": LlamaAdapter(),
+}
+
+
+def adapter_for(name: str) -> Adapter:
+    try:
+        return ADAPTERS[name]
+    except KeyError:
+        raise ValueError(f"protocol: unknown {name!r}; one of {sorted(ADAPTERS)}") from None

@@ -1,0 +1,117 @@
+"""The run manifest `calculet-perf-run/v1` (spec §5): YAML validated by pydantic.
+
+Fields marked REQUIRED in the spec must be present and valid or the run does not start
+(exit 2, one line naming the field path). The JSON Schema comes from the declaration.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MANIFEST_SCHEMA = "calculet-perf-run/v1"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Model(_Section):
+    alias: str = Field(min_length=1)
+    generation: int = Field(ge=0)
+    calbin_sha256: str
+
+    @field_validator("calbin_sha256")
+    @classmethod
+    def _sha(cls, v: str) -> str:
+        if not _SHA256.fullmatch(v):
+            raise ValueError("must be 64 lowercase hex digits (sha256)")
+        return v
+
+
+class Software(_Section):
+    server_commit: str = Field(min_length=1)
+    image_digest: str = Field(min_length=1)
+    calrt: str | None = None
+    driver: str = Field(min_length=1)
+    firmware: str = Field(min_length=1)
+
+
+class Hardware(_Section):
+    board: str = Field(min_length=1)
+    chips: int = Field(default=2, gt=0)
+    power_mode: str = Field(min_length=1)
+
+
+class Environment(_Section):
+    ambient_c: float
+    vpn_in_path: bool = False
+
+
+class Client(_Section):
+    host: str = Field(min_length=1)
+    transport: Literal["http-sse"] = "http-sse"
+
+
+class Target(_Section):
+    """Where the load goes; not in spec §5, which leaves the target to the deployment."""
+
+    url: str = Field(pattern=r"^https?://")
+    protocol: Literal["openai-chat", "openai-completions", "llama"] = "llama"
+    model: str | None = None
+
+
+class RunManifest(_Section):
+    schema_: Literal["calculet-perf-run/v1"] = Field(alias="schema")
+    run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")
+    purpose: str = Field(min_length=1)
+    model: Model
+    software: Software
+    hardware: Hardware
+    environment: Environment
+    client: Client
+    target: Target | None = None
+    matrix: str
+    warmup_requests: int = Field(default=10, ge=0)
+    measured_requests: int = Field(default=100, gt=0)
+    timeout_s: float = Field(default=900, gt=0)
+
+
+class ManifestError(ValueError):
+    """The manifest is invalid; `str()` is one line naming the field path."""
+
+
+def parse_manifest(data: Any, source: str = "manifest") -> RunManifest:
+    if not isinstance(data, dict):
+        raise ManifestError(f"{source}: top level must be a mapping")
+    try:
+        return RunManifest.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "missing":
+            msg = "REQUIRED field missing"
+        raise ManifestError(f"{source}: {path}: {msg}") from None
+
+
+def load_manifest(path: str | Path) -> RunManifest:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ManifestError(f"{p}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ManifestError(f"{p}:{where} invalid YAML") from None
+    return parse_manifest(data, str(p))
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    return RunManifest.model_json_schema(by_alias=True)

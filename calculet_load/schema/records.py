@@ -1,0 +1,242 @@
+"""Client-side records: the request record `calculet-perf-request/v1` (spec §3) and the
+token-event table.
+
+The request record has exactly the groups and fields of spec §3, in that order, plus one
+trailing group `ext` holding what the harness needs beyond §3 (wall anchor, open-loop
+intended time, error class, token reconciliation, provenance of the sample). The strict
+§3 JSONL export drops `ext`. Times in `client_ns` are integer nanoseconds of the client's
+monotonic clock; `ext.wall_anchor_ns` pairs one of them with the wall clock and is the
+only wall time (for joining across hosts, never for durations). "No data" is None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+REQUEST_SCHEMA = "calculet-perf-request/v1"
+TOKEN_EVENT_SCHEMA = "calculet-token-event/v1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Software:
+    server_commit: str | None = None
+    image_digest: str | None = None
+    calrt: str | None = None
+    driver: str | None = None
+    firmware: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hardware:
+    board_serial_hash: str | None = None
+    chips: int | None = None
+    power_mode: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    prompt_tokens: int | None = None
+    requested_output_tokens: int | None = None
+    actual_output_tokens: int | None = None
+    concurrency: int | None = None
+    stream: bool | None = None
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientNs:
+    """t0..t6 of spec §2.1, monotonic ns; None when the point was never reached."""
+
+    request_start: int | None = None
+    headers_sent: int | None = None
+    response_headers: int | None = None
+    first_event: int | None = None
+    first_token: int | None = None
+    last_token: int | None = None
+    response_end: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DurationsMs:
+    """Spec §2.2: TTFH=t2-t0, TTFE=t3-t0, TTFT=t4-t0, TPOT=(t5-t4)/(n-1), E2E=t6-t0."""
+
+    ttfh: float | None = None
+    ttfe: float | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerMs:
+    queue: float | None = None
+    prefill: float | None = None
+    decode_total: float | None = None
+    postprocess: float | None = None
+    sampling: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RuntimeMs:
+    h2d_prefill: float | None = None
+    infer_prefill: float | None = None
+    d2h_prefill: float | None = None
+    h2d_decode: float | None = None
+    infer_decode: float | None = None
+    d2h_decode: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    http_status: int | None = None
+    finish_reason: str | None = None
+    token_hash: str | None = None
+    error_code: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Quality:
+    clock_complete: bool = False
+    server_trace_joined: bool = False
+    warmup: bool = False
+    throttled: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ext:
+    """What the harness records beyond spec §3."""
+
+    wall_anchor_ns: int | None = None  # wall clock read together with client_ns.request_start
+    worker: str | None = None
+    host: str | None = None
+    cell: str | None = None
+    protocol: str | None = None
+    arrival: str | None = None  # closed | poisson | constant | gamma | replay | burst | single
+    intended_start_ns: int | None = None  # open loop: the schedule's time (monotonic)
+    send_lag_ms: float | None = None  # actual send minus intended
+    late: bool = False
+    dropped: bool = False
+    e2e_from_intended_ms: float | None = None
+    ttft_from_intended_ms: float | None = None
+    error_class: str | None = None
+    error_detail: str | None = None
+    events: int | None = None  # SSE events received
+    token_events: int | None = None  # events that carried >= 1 generated token
+    client_output_tokens: int | None = None  # the client's own count
+    server_output_tokens: int | None = None  # the server's final total
+    token_count_source: str | None = None  # usage | tokens_predicted | chunks (fallback)
+    token_count_mismatch: bool = False
+    connection_reused: bool | None = None
+    cancelled_at: str | None = None
+    corpus_sample_id: str | None = None
+    sampling: str | None = None  # greedy | seeded
+    temperature: float | None = None
+    nonfinite_field: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request: spec §3 groups in §3 order, then `ext`."""
+
+    run_id: str
+    request_id: str
+    model_alias: str | None = None
+    model_generation: int | None = None
+    calbin_sha256: str | None = None
+    software: Software = dataclasses.field(default_factory=Software)
+    hardware: Hardware = dataclasses.field(default_factory=Hardware)
+    workload: Workload = dataclasses.field(default_factory=Workload)
+    client_ns: ClientNs = dataclasses.field(default_factory=ClientNs)
+    durations_ms: DurationsMs = dataclasses.field(default_factory=DurationsMs)
+    server_ms: ServerMs = dataclasses.field(default_factory=ServerMs)
+    runtime_ms: RuntimeMs = dataclasses.field(default_factory=RuntimeMs)
+    result: Result = dataclasses.field(default_factory=Result)
+    quality: Quality = dataclasses.field(default_factory=Quality)
+    ext: Ext = dataclasses.field(default_factory=Ext)
+    schema: str = REQUEST_SCHEMA
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One SSE event that carried generated tokens (or the first event of any kind)."""
+
+    request_id: str
+    event_index: int  # index among all events of the request, from 0
+    arrival_ns: int  # client monotonic ns when the read that completed it returned
+    tokens: int  # generated tokens this event carried (0 for role/usage-only events)
+    server_cumulative: int | None  # the server's cumulative count after it, if given
+
+
+# Field order of the strict §3 JSON object.
+SPEC3_ORDER = (
+    "schema",
+    "run_id",
+    "request_id",
+    "model_alias",
+    "model_generation",
+    "calbin_sha256",
+    "software",
+    "hardware",
+    "workload",
+    "client_ns",
+    "durations_ms",
+    "server_ms",
+    "runtime_ms",
+    "result",
+    "quality",
+)
+
+
+def record_to_dict(rec: RequestRecord, *, strict: bool = False) -> dict[str, Any]:
+    """The JSON object of a record: §3 keys in §3 order, then `ext` unless `strict`."""
+    out: dict[str, Any] = {}
+    keys = SPEC3_ORDER if strict else (*SPEC3_ORDER, "ext")
+    for key in keys:
+        value = getattr(rec, key)
+        if dataclasses.is_dataclass(value):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        out[key] = value
+    return out
+
+
+def record_from_dict(obj: dict[str, Any]) -> RequestRecord:
+    """Inverse of `record_to_dict`; refuses a newer schema version."""
+    check_schema(obj.get("schema"), REQUEST_SCHEMA)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(RequestRecord):
+        if f.name not in obj:
+            continue
+        value = obj[f.name]
+        group = _GROUPS.get(f.name)
+        kwargs[f.name] = group(**value) if group is not None and value is not None else value
+    return RequestRecord(**kwargs)
+
+
+_GROUPS: dict[str, Any] = {
+    "software": Software,
+    "hardware": Hardware,
+    "workload": Workload,
+    "client_ns": ClientNs,
+    "durations_ms": DurationsMs,
+    "server_ms": ServerMs,
+    "runtime_ms": RuntimeMs,
+    "result": Result,
+    "quality": Quality,
+    "ext": Ext,
+}
+
+
+class SchemaVersionError(ValueError):
+    """An artifact declares a schema this version of calculet-load cannot read."""
+
+
+def check_schema(found: Any, expected: str) -> None:
+    name, _, version = expected.partition("/v")
+    if not isinstance(found, str) or not found.startswith(name + "/v"):
+        raise SchemaVersionError(f"schema: expected {expected}, found {found!r}")
+    found_version = found.rsplit("/v", 1)[1]
+    if not found_version.isdigit() or int(found_version) > int(version):
+        raise SchemaVersionError(
+            f"schema: {found} is newer than this calculet-load reads ({expected}); upgrade"
+        )

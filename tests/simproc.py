@@ -1,0 +1,154 @@
+"""A real `calculet-sim` process on loopback, and a small HTTP/SSE client for tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from calculet_load.sse import SSEEvent, SSEParser
+
+ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
+
+
+@dataclass
+class Stream:
+    status: int
+    headers: dict[str, str]
+    events: list[tuple[int, SSEEvent]] = field(default_factory=list)
+    raw: bytes = b""
+
+    def json_events(self) -> list[dict[str, Any]]:
+        return [json.loads(e.data) for _, e in self.events if e.data != "[DONE]"]
+
+
+class SimProcess:
+    def __init__(
+        self, tmp: Path, *args: str, faults: bool = False, env: dict[str, str] | None = None
+    ) -> None:
+        self.trace_dir = tmp / f"traces-{time.monotonic_ns()}"
+        cmd = [sys.executable, "-m", "calculet_sim.cli", "--port", "0"]
+        cmd += ["--trace-dir", str(self.trace_dir), *args]
+        full_env = dict(os.environ)
+        if faults:
+            cmd.append("--enable-faults")
+            full_env["CALCULET_SIM_ADMIN_TOKEN"] = ADMIN_TOKEN
+        full_env.update(env or {})
+        self.stderr_path = tmp / f"sim-stderr-{time.monotonic_ns()}.txt"
+        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, env=full_env)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        line = self.proc.stdout.readline().decode() if ready else ""
+        if "listening on http://" not in line:
+            self.stop()
+            raise RuntimeError(f"sim did not start: {line!r} {self.stderr_path.read_text()}")
+        self.url = line.strip().rsplit(" ", 1)[1]
+        hostport = self.url.removeprefix("http://")
+        self.host, port = hostport.rsplit(":", 1)
+        self.port = int(port)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._stderr.close()
+
+    def conn(self, timeout: float = 30) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+        timeout: float = 30,
+    ) -> tuple[int, dict[str, str], bytes]:
+        c = self.conn(timeout)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        c.request(method, path, body=data, headers=hdrs)
+        r = c.getresponse()
+        out = r.read()
+        c.close()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, out
+
+    def json(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        status, _, out = self.request(method, path, body, **kw)
+        return status, json.loads(out)
+
+    def admin(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "X-Operator": "pytest"}
+        return self.json(method, path, body, headers=headers)
+
+    def state(self) -> dict[str, Any]:
+        status, body = self.admin("GET", "/admin/state")
+        assert status == 200, body
+        return body  # type: ignore[no-any-return]
+
+    def stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str] | None = None,
+        timeout: float = 60,
+        stop_after_events: int | None = None,
+    ) -> Stream:
+        """POST and read the SSE stream, stamping each read when it returns."""
+        c = self.conn(timeout)
+        c.request("POST", path, body=json.dumps(body).encode(), headers=headers or {})
+        r = c.getresponse()
+        result = Stream(r.status, {k.lower(): v for k, v in r.getheaders()})
+        parser = SSEParser()
+        chunks = []
+        while True:
+            data = r.read1(65536)
+            t = time.monotonic_ns()
+            if not data:
+                break
+            chunks.append(data)
+            result.events += [(t, e) for e in parser.feed(data)]
+            if stop_after_events is not None and len(result.events) >= stop_after_events:
+                c.close()  # the client goes away mid-stream
+                break
+        result.raw = b"".join(chunks)
+        c.close()
+        return result
+
+    def traces(self, kind: str) -> list[dict[str, Any]]:
+        status, _, body = self.request("GET", f"/traces/{kind}")
+        assert status == 200
+        return [json.loads(line) for line in body.splitlines() if line]
+
+    def audit(self) -> list[dict[str, Any]]:
+        path = self.trace_dir / "audit.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines() if x]
+
+    def wait_for(self, cond: Any, timeout: float = 20, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            time.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}")
