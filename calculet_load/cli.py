@@ -11,9 +11,34 @@ import importlib
 import sys
 from collections.abc import Callable
 
-# name -> (module, help); the module provides `add_arguments(parser)` and `run(args) -> int`.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("calculet_load.demo", "start the embedded simulator and stream one request"),
+# name -> (module, help, add-arguments function, run function); the functions default to
+# the module's `add_arguments(parser)` and `run(args) -> int` (the exit code).
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "demo": (
+        "calculet_load.demo",
+        "start the embedded simulator and stream one request",
+        "add_arguments",
+        "run",
+    ),
+    "probe": (
+        "calculet_load.probe",
+        "send one request, print its t0..t6 timeline and write its record",
+        "add_arguments",
+        "run",
+    ),
+    "check-manifest": (
+        "calculet_load.tools",
+        "validate a run manifest (exit 2 with the field path when invalid)",
+        "add_check_manifest",
+        "check_manifest",
+    ),
+    "schema": ("calculet_load.tools", "print a JSON Schema", "add_schema", "schema"),
+    "export": (
+        "calculet_load.tools",
+        "write a run's request records as §3 JSON lines",
+        "add_export",
+        "export",
+    ),
 }
 
 
@@ -23,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     runners: dict[str, Callable[[argparse.Namespace], int]] = {}
-    for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+    for name, (module_name, help_text, add_fn, run_fn) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(module_name)
-        module.add_arguments(p)
-        runners[name] = module.run
+        getattr(module, add_fn)(p)
+        runners[name] = getattr(module, run_fn)
     args = parser.parse_args(argv)
     return runners[args.command](args)
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 import socket
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit
 
 import gevent
@@ -50,6 +50,7 @@ ERROR_CLASSES: dict[str, str] = {
     "pool_exhausted": "no connection free under the in-flight cap (an open-loop drop)",
 }
 
+T = TypeVar("T")
 CancelAt = Literal["before_headers", "first_token"] | int | None
 
 
@@ -70,6 +71,16 @@ class Endpoint:
         self.port = parts.port or 80
         self.authority = f"{parts.hostname}:{self.port}"
         self.url = url
+        self._addr: tuple[int, Any] | None = None
+
+    def address(self) -> tuple[int, Any]:
+        """(family, sockaddr), resolved once: a name lookup per connection would add
+        milliseconds (gevent's resolver runs in a thread pool) to the first request."""
+        if self._addr is None:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            family, _, _, _, sockaddr = infos[0]
+            self._addr = (family, sockaddr)
+        return self._addr
 
 
 class PoolExhausted(Exception):
@@ -93,16 +104,32 @@ class ConnectionPool:
             self._discard(sock)
         if self.open >= self.max_connections:
             raise PoolExhausted
+        return self._connect(connect_timeout), False
+
+    def _connect(self, connect_timeout: float) -> socket.socket:
         self.open += 1
+        sock = None
         try:
-            sock = gsocket.create_connection(
-                (self.endpoint.host, self.endpoint.port), timeout=connect_timeout
-            )
+            family, sockaddr = self.endpoint.address()
+            # gevent's socket has the stdlib socket's interface (not its class).
+            sock = cast(socket.socket, gsocket.socket(family, socket.SOCK_STREAM))
+            sock.settimeout(connect_timeout)
+            sock.connect(sockaddr)
         except BaseException:
             self.open -= 1
+            if sock is not None:
+                sock.close()
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, False
+        return sock
+
+    def prewarm(self, n: int, connect_timeout: float = 10.0) -> int:
+        """Open up to `n` idle connections ahead of time (bursts, first requests)."""
+        opened = 0
+        while len(self._idle) < n and self.open < self.max_connections:
+            self._idle.append(self._connect(connect_timeout))
+            opened += 1
+        return opened
 
     def release(self, sock: socket.socket, reusable: bool) -> None:
         if reusable:
@@ -301,9 +328,7 @@ def execute(
         out.error_class, out.error_detail = f.error_class, f.detail[:500]
         out.error_code = f.code or f.error_class
         if f.error_class == "cancelled" and out.cancelled_at is None:
-            out.cancelled_at = (
-                "first_token" if cancel == "first_token" else f"after_{cancel}_token_events"
-            )
+            out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
     finally:
         if sock is not None:
             pool.release(sock, reusable and out.error_class is None)
@@ -408,6 +433,7 @@ def _finish(run: _Run, status: int, t_end: int) -> None:
             raise _Fail(exc.error_class, str(exc)) from None
         # A whole response: every token arrives with the last byte, so there is a first
         # event and a first token at t6, but no decode interval (TPOT is undefined).
+        run.count.source = info.count_source
         run._account(info, t_end)
         run.t["t5"] = None
         if info.error is not None:
@@ -427,11 +453,11 @@ def _error_body(body: bytes) -> tuple[str | None, str]:
     return None, "error body without an error object"
 
 
-def run_in_greenlet(fn: Callable[[], Outcome]) -> Outcome:
-    """Run a request in its own greenlet (for callers outside a gevent loop)."""
+def run_in_greenlet(fn: Callable[[], T]) -> T:
+    """Run a call in its own greenlet (for callers outside a gevent loop)."""
     g = gevent.spawn(fn)
     g.join()
     if g.exception is not None:
         raise g.exception
-    value: Outcome = g.value
+    value: T = g.value
     return value

@@ -39,6 +39,7 @@ class EventInfo:
     error_type: str | None = None
     timings: dict[str, Any] | None = None
     nonfinite: bool = False
+    count_source: str | None = None  # whole responses: where the token count came from
 
 
 @dataclasses.dataclass(slots=True)
@@ -227,9 +228,15 @@ class OpenAIAdapter(Adapter):
         text = msg.get("content") if self.chat else msg.get("text")
         info.text = text if isinstance(text, str) else ""
         info.finish_reason = ch.get("finish_reason")
-        total = _int(obj.get("usage"), "completion_tokens")
-        info.final_total = info.tokens = total if total is not None else 0
-        info.cumulative = total
+        usage = obj.get("usage")
+        total = _int(usage, "completion_tokens")
+        if total is None:
+            # No usage: the tokens of a whole response cannot be counted honestly.
+            info.count_source = "missing"
+        else:
+            info.final_total = info.tokens = info.cumulative = total
+            info.count_source = "usage"
+        info.prompt_tokens = _int(usage, "prompt_tokens")
         return info
 
 
@@ -299,8 +306,10 @@ class LlamaAdapter(Adapter):
         return info
 
     def whole(self, body: bytes) -> EventInfo:
-        info = self.event(body.decode("utf-8", errors="replace"), CountState())
+        state = CountState()
+        info = self.event(body.decode("utf-8", errors="replace"), state)
         info.done = True
+        info.count_source = state.source or "missing"
         return info
 
 

@@ -89,6 +89,9 @@ class ManifestError(ValueError):
 def parse_manifest(data: Any, source: str = "manifest") -> RunManifest:
     if not isinstance(data, dict):
         raise ManifestError(f"{source}: top level must be a mapping")
+    placeholder = _find_placeholder(data, ())
+    if placeholder is not None:
+        raise ManifestError(f"{source}: {placeholder}: REQUIRED field not filled in")
     try:
         return RunManifest.model_validate(data)
     except ValidationError as exc:
@@ -98,6 +101,18 @@ def parse_manifest(data: Any, source: str = "manifest") -> RunManifest:
         if err["type"] == "missing":
             msg = "REQUIRED field missing"
         raise ManifestError(f"{source}: {path}: {msg}") from None
+
+
+def _find_placeholder(node: Any, path: tuple[str, ...]) -> str | None:
+    """The path of the first value still reading REQUIRED (a template not filled in)."""
+    if isinstance(node, str) and node.strip() == "REQUIRED":
+        return ".".join(path) or "(top level)"
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found = _find_placeholder(value, (*path, str(key)))
+            if found is not None:
+                return found
+    return None
 
 
 def load_manifest(path: str | Path) -> RunManifest:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pydantic import TypeAdapter
+
 REQUEST_SCHEMA = "calculet-perf-request/v1"
 TOKEN_EVENT_SCHEMA = "calculet-token-event/v1"
 
@@ -125,6 +127,7 @@ class Ext:
     token_events: int | None = None  # events that carried >= 1 generated token
     client_output_tokens: int | None = None  # the client's own count
     server_output_tokens: int | None = None  # the server's final total
+    server_prompt_tokens: int | None = None  # the prompt length the server reported
     token_count_source: str | None = None  # usage | tokens_predicted | chunks (fallback)
     token_count_mismatch: bool = False
     connection_reused: bool | None = None
@@ -240,3 +243,9 @@ def check_schema(found: Any, expected: str) -> None:
         raise SchemaVersionError(
             f"schema: {found} is newer than this calculet-load reads ({expected}); upgrade"
         )
+
+
+def request_json_schema() -> dict[str, Any]:
+    """JSON Schema of the full record (§3 groups and `ext`)."""
+    schema: dict[str, Any] = TypeAdapter(RequestRecord).json_schema()
+    return schema

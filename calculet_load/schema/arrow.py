@@ -1,0 +1,150 @@
+"""Arrow schemas derived from the record declarations (never written by hand).
+
+A record becomes one flat row: a nested group's field `client_ns.first_token` is the
+column `client_ns.first_token`. Types follow the annotations (`int` -> int64, `float`
+-> float64, `str` -> string, `bool` -> bool); every column is nullable because "no data"
+is null. Each table's schema name and version travel in the Arrow metadata, so a reader
+can refuse a newer one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from calculet_load.schema.records import (
+    REQUEST_SCHEMA,
+    TOKEN_EVENT_SCHEMA,
+    RequestRecord,
+    TokenEvent,
+    check_schema,
+    record_from_dict,
+)
+
+SELFWATCH_SCHEMA = "calculet-selfwatch/v1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SelfWatchRow:
+    """One sample of the client's own health (the self-watch of the measurement core)."""
+
+    worker: str
+    mono_ns: int
+    wall_ns: int
+    loop_lag_ms: float  # how late a timer on the event loop fired
+    cpu_percent: float | None  # this process, percent of one core over the interval
+    rss_bytes: int | None
+    in_flight: int | None
+    token_events_per_s: float | None
+
+
+_SCALARS: dict[Any, pa.DataType] = {
+    int: pa.int64(),
+    float: pa.float64(),
+    str: pa.string(),
+    bool: pa.bool_(),
+}
+
+
+def _scalar(annotation: Any) -> Any:
+    """`int | None` -> int; a dataclass group is returned as is."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported union {annotation!r}")
+        return args[0]
+    return annotation
+
+
+def leaf_fields(cls: type) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(column name, attribute path, python type) for every leaf field, in order."""
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[str, tuple[str, ...], Any]] = []
+    for f in dataclasses.fields(cls):
+        kind = _scalar(hints[f.name])
+        if dataclasses.is_dataclass(kind):
+            for name, path, leaf in leaf_fields(kind):  # type: ignore[arg-type]
+                out.append((f"{f.name}.{name}", (f.name, *path), leaf))
+        else:
+            out.append((f.name, (f.name,), kind))
+    return out
+
+
+@functools.cache
+def arrow_schema(cls: type, schema_name: str) -> pa.Schema:
+    fields = []
+    for name, _, kind in leaf_fields(cls):
+        if kind not in _SCALARS:
+            raise TypeError(f"{cls.__name__}.{name}: no Arrow type for {kind!r}")
+        fields.append(pa.field(name, _SCALARS[kind], nullable=True))
+    return pa.schema(fields, metadata={"schema": schema_name})
+
+
+def request_schema() -> pa.Schema:
+    return arrow_schema(RequestRecord, REQUEST_SCHEMA)
+
+
+def token_event_schema() -> pa.Schema:
+    return arrow_schema(TokenEvent, TOKEN_EVENT_SCHEMA)
+
+
+def selfwatch_schema() -> pa.Schema:
+    return arrow_schema(SelfWatchRow, SELFWATCH_SCHEMA)
+
+
+def _getter(path: tuple[str, ...]) -> Any:
+    if len(path) == 1:
+        return lambda obj, a=path[0]: getattr(obj, a)
+    return lambda obj, a=path[0], b=path[1]: getattr(getattr(obj, a), b)
+
+
+def to_table(rows: Sequence[Any], cls: type, schema: pa.Schema) -> pa.Table:
+    """Column-wise conversion of dataclass rows to a table of `schema`."""
+    columns = []
+    for (_, path, _), field in zip(leaf_fields(cls), schema, strict=True):
+        get = _getter(path)
+        columns.append(pa.array([get(r) for r in rows], type=field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def records_table(records: Sequence[RequestRecord]) -> pa.Table:
+    return to_table(records, RequestRecord, request_schema())
+
+
+def token_events_table(events: Sequence[TokenEvent]) -> pa.Table:
+    return to_table(events, TokenEvent, token_event_schema())
+
+
+def selfwatch_table(rows: Sequence[SelfWatchRow]) -> pa.Table:
+    return to_table(rows, SelfWatchRow, selfwatch_schema())
+
+
+def check_table_schema(table_schema: pa.Schema, expected: str) -> None:
+    """Refuse a table written under a newer (or a different) schema."""
+    meta = table_schema.metadata or {}
+    found = meta.get(b"schema")
+    check_schema(found.decode() if found is not None else None, expected)
+
+
+def nest(row: dict[str, Any]) -> dict[str, Any]:
+    """A flat row (`group.field` keys) back to the nested JSON shape."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        group, dot, field = key.partition(".")
+        if dot:
+            out.setdefault(group, {})[field] = value
+        else:
+            out[key] = value
+    return out
+
+
+def records_from_table(table: pa.Table) -> Iterable[RequestRecord]:
+    check_table_schema(table.schema, REQUEST_SCHEMA)
+    for row in table.to_pylist():
+        yield record_from_dict(nest(row))

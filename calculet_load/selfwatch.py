@@ -1,0 +1,84 @@
+"""Self-watch: is the client itself the bottleneck?
+
+A greenlet wakes every `interval_s` and measures how late it woke (event-loop lag: time
+every other greenlet made it wait, which is also how late a token's timestamp can be),
+and samples this process's CPU and RSS with psutil. Samples go to the sink beside the
+records, so the analysis can exclude windows where the client was saturated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import gevent
+import psutil
+
+from calculet_load.schema.arrow import SelfWatchRow
+from calculet_load.sink import PartSink
+
+# A client whose loop lag passes this, or whose CPU passes SATURATED_CPU_PERCENT of one
+# core, cannot stamp events to the millisecond: the analysis flags that window.
+SATURATED_LAG_MS = 5.0
+SATURATED_CPU_PERCENT = 90.0
+
+
+class SelfWatch:
+    def __init__(
+        self,
+        sink: PartSink | None,
+        worker: str,
+        *,
+        interval_s: float = 1.0,
+        in_flight: Callable[[], int] | None = None,
+        token_events: Callable[[], int] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.worker = worker
+        self.interval_s = interval_s
+        self.in_flight = in_flight
+        self.token_events = token_events
+        self.samples: list[SelfWatchRow] = []
+        self.max_lag_ms = 0.0
+        self._proc = psutil.Process()
+        self._greenlet: gevent.Greenlet[[], None] | None = None
+
+    def start(self) -> None:
+        self._proc.cpu_percent(None)  # prime: the first call has no interval
+        self._greenlet = gevent.spawn(self._run)
+
+    def stop(self) -> None:
+        if self._greenlet is not None:
+            self._greenlet.kill()
+            self._greenlet = None
+
+    def _run(self) -> None:
+        last_events = self.token_events() if self.token_events else 0
+        last = time.monotonic_ns()
+        while True:
+            expected = time.monotonic_ns() + int(self.interval_s * 1e9)
+            gevent.sleep(self.interval_s)
+            now = time.monotonic_ns()
+            lag_ms = max(now - expected, 0) / 1e6
+            self.max_lag_ms = max(self.max_lag_ms, lag_ms)
+            rate = None
+            if self.token_events is not None:
+                events = self.token_events()
+                rate = (events - last_events) / ((now - last) / 1e9)
+                last_events = events
+            last = now
+            row = SelfWatchRow(
+                worker=self.worker,
+                mono_ns=now,
+                wall_ns=time.time_ns(),
+                loop_lag_ms=lag_ms,
+                cpu_percent=self._proc.cpu_percent(None),
+                rss_bytes=self._proc.memory_info().rss,
+                in_flight=self.in_flight() if self.in_flight else None,
+                token_events_per_s=rate,
+            )
+            self.samples.append(row)
+            if len(self.samples) > 3600:  # keep an hour in memory; the sink has it all
+                del self.samples[:600]
+            if self.sink is not None:
+                self.sink.add_selfwatch(row)

@@ -1,0 +1,219 @@
+"""Per-process Parquet sink: request records, token events and self-watch samples.
+
+The event loop only appends Python objects to in-memory buffers (a list append). A
+native writer thread turns each buffer into Arrow tables and writes them as one closed
+part: `client/<worker>/part-NNNNN.<table>.parquet`, written to a temporary name and then
+renamed, so a part on disk is always complete. A part is cut every `rotate_s` seconds or
+`rotate_rows` records, so a crash loses at most the rows of the open part; `close()`
+(also run at exit and on SIGTERM when `install_signal_handlers` is used) flushes it.
+
+Paths go through pyarrow.fs, so the run folder may be local or an object-store URI.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from calculet_load.schema.arrow import (
+    SelfWatchRow,
+    records_table,
+    selfwatch_table,
+    token_events_table,
+)
+from calculet_load.schema.records import RequestRecord, TokenEvent
+
+TABLES = ("requests", "tokens", "selfwatch")
+
+
+def _original(module: str, name: str) -> Any:
+    """The un-monkey-patched object: the writer must be a real OS thread under gevent."""
+    try:
+        from gevent import monkey
+    except ImportError:  # pragma: no cover - gevent is a dependency
+        return getattr(__import__(module), name)
+    return monkey.get_original(module, name)
+
+
+def resolve_fs(uri: str) -> tuple[pafs.FileSystem, str]:
+    """A filesystem and a path inside it for a local path or a URI (s3://, file://)."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    part: int
+    records: list[RequestRecord]
+    tokens: list[TokenEvent]
+    selfwatch: list[SelfWatchRow]
+
+
+@dataclasses.dataclass(slots=True)
+class SinkStats:
+    parts: int = 0
+    records: int = 0
+    token_events: int = 0
+    selfwatch: int = 0
+    bytes: int = 0
+    write_s: float = 0.0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+class PartSink:
+    """Buffers rows and writes rotated, closed Parquet parts from a native thread."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        worker: str,
+        *,
+        rotate_s: float = 10.0,
+        rotate_rows: int = 50_000,
+        compression: str = "zstd",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fs, root = resolve_fs(run_dir)
+        self.dir = f"{root.rstrip('/')}/client/{worker}"
+        self.fs.create_dir(self.dir, recursive=True)
+        self.worker = worker
+        self.rotate_s = rotate_s
+        self.rotate_rows = rotate_rows
+        self.compression = compression
+        self.stats = SinkStats()
+        self._clock = clock
+        self._records: list[RequestRecord] = []
+        self._tokens: list[TokenEvent] = []
+        self._selfwatch: list[SelfWatchRow] = []
+        self._opened = clock()
+        self._part = self._first_free_part()
+        self._closed = False
+        self._queue = _original("queue", "SimpleQueue")()
+        self._thread = _original("threading", "Thread")(
+            target=self._writer, name=f"calculet-sink-{worker}", daemon=True
+        )
+        self._thread.start()
+        atexit.register(self.close)
+
+    # --- called on the event loop: appends only -------------------------------------
+    def add(self, record: RequestRecord, token_events: list[TokenEvent] | None = None) -> None:
+        if self._closed:
+            raise RuntimeError("sink is closed")
+        self._records.append(record)
+        if token_events:
+            self._tokens.extend(token_events)
+        self._maybe_rotate()
+
+    def add_selfwatch(self, row: SelfWatchRow) -> None:
+        if not self._closed:
+            self._selfwatch.append(row)
+            self._maybe_rotate()
+
+    def _maybe_rotate(self) -> None:
+        if len(self._records) >= self.rotate_rows or self._clock() - self._opened >= self.rotate_s:
+            self.rotate()
+
+    def rotate(self) -> None:
+        """Close the open part (hand it to the writer) and open the next one."""
+        if not (self._records or self._tokens or self._selfwatch):
+            self._opened = self._clock()
+            return
+        batch = _Batch(self._part, self._records, self._tokens, self._selfwatch)
+        self._records, self._tokens, self._selfwatch = [], [], []
+        self._part += 1
+        self._opened = self._clock()
+        self._queue.put(batch)
+
+    def close(self) -> SinkStats:
+        """Flush the open part, wait for the writer, and stop it. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.rotate()
+            self._queue.put(None)
+            self._thread.join()
+            atexit.unregister(self.close)
+        return self.stats
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Rotate and wait until every handed-over part is on disk (blocks the caller)."""
+        self.rotate()
+        return self.wait_written(timeout_s)
+
+    def wait_written(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the parts handed over so far are on disk; the open part stays open."""
+        if self._closed:
+            return True
+        done = _original("threading", "Event")()
+        self._queue.put(done)
+        return bool(done.wait(timeout_s))
+
+    # --- the writer thread ------------------------------------------------------------
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if not isinstance(item, _Batch):
+                item.set()
+                continue
+            t = time.perf_counter()
+            try:
+                self._write(item)
+            except Exception as exc:  # keep writing later parts; the loss is reported
+                self.stats.errors.append(f"part {item.part}: {type(exc).__name__}: {exc}")
+            self.stats.write_s += time.perf_counter() - t
+
+    def _write(self, batch: _Batch) -> None:
+        tables: list[tuple[str, pa.Table]] = []
+        if batch.records:
+            tables.append(("requests", records_table(batch.records)))
+        if batch.tokens:
+            tables.append(("tokens", token_events_table(batch.tokens)))
+        if batch.selfwatch:
+            tables.append(("selfwatch", selfwatch_table(batch.selfwatch)))
+        for name, table in tables:
+            final = f"{self.dir}/part-{batch.part:05d}.{name}.parquet"
+            tmp = f"{self.dir}/.part-{batch.part:05d}.{name}.parquet.tmp"
+            with self.fs.open_output_stream(tmp) as stream:
+                pq.write_table(table, stream, compression=self.compression)
+            self.fs.move(tmp, final)
+            self.stats.bytes += self.fs.get_file_info(final).size
+        self.stats.parts += 1
+        self.stats.records += len(batch.records)
+        self.stats.token_events += len(batch.tokens)
+        self.stats.selfwatch += len(batch.selfwatch)
+
+    def _first_free_part(self) -> int:
+        """Continue numbering after existing parts (a restarted worker appends)."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.dir, allow_not_found=True))
+        numbers = [
+            int(i.base_name.split(".")[0].removeprefix("part-"))
+            for i in infos
+            if i.base_name.startswith("part-") and i.base_name.split(".")[0][5:].isdigit()
+        ]
+        return max(numbers, default=0) + 1
+
+
+def install_signal_handlers(sink: PartSink) -> None:
+    """On SIGTERM/SIGINT: flush the sink, then exit with the conventional status."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(Exception):
+            sink.close()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,69 @@
+"""Small file commands: `check-manifest`, `schema`, `export`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from calculet_load.schema.manifest import ManifestError, load_manifest, manifest_json_schema
+
+
+def add_check_manifest(p: argparse.ArgumentParser) -> None:
+    p.add_argument("manifest", help="run manifest YAML")
+
+
+def check_manifest(args: argparse.Namespace) -> int:
+    """Exit 0 and print the run id when valid; exit 2 with one line naming the field."""
+    try:
+        m = load_manifest(args.manifest)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"{args.manifest}: valid ({m.run_id})")
+    return 0
+
+
+def _schemas() -> dict[str, Any]:
+    from calculet_load.schema.records import request_json_schema
+    from calculet_load.schema.traces import AuditRow, DeviceRow, ServerEventRow, StepRow
+    from calculet_load.schema.traces import json_schema as trace_schema
+
+    return {
+        "manifest": manifest_json_schema,
+        "request": request_json_schema,
+        "server_events": lambda: trace_schema(ServerEventRow),
+        "steps": lambda: trace_schema(StepRow),
+        "device": lambda: trace_schema(DeviceRow),
+        "audit": lambda: trace_schema(AuditRow),
+    }
+
+
+def add_schema(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(_schemas()), help="which JSON Schema to print")
+
+
+def schema(args: argparse.Namespace) -> int:
+    print(json.dumps(_schemas()[args.name](), indent=2))
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run folder (local path or URI)")
+    p.add_argument("--out", help="output file (default: stdout)")
+    p.add_argument(
+        "--full", action="store_true", help="include the `ext` group (default: exactly §3)"
+    )
+
+
+def export(args: argparse.Namespace) -> int:
+    from calculet_load.runfolder import export_jsonl
+
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            n = export_jsonl(args.run_dir, f, strict=not args.full)
+        print(f"{n} records written to {args.out}", file=sys.stderr)
+    else:
+        export_jsonl(args.run_dir, sys.stdout, strict=not args.full)
+    return 0

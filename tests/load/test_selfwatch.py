@@ -1,0 +1,41 @@
+"""Self-watch: a blocked event loop shows up as lag, next to CPU and RSS samples."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import gevent
+
+from calculet_load.runfolder import read_table
+from calculet_load.selfwatch import SelfWatch
+from calculet_load.sink import PartSink
+
+
+def test_a_blocked_loop_is_measured_as_lag_and_sampled_to_the_sink(tmp_path: Path) -> None:
+    sink = PartSink(str(tmp_path), "w1")
+    counter = [0]
+    watch = SelfWatch(
+        sink, "w1", interval_s=0.05, in_flight=lambda: 4, token_events=lambda: counter[0]
+    )
+
+    def scenario() -> None:
+        watch.start()
+        gevent.sleep(0.2)  # an idle loop: small lag
+        quiet = watch.max_lag_ms
+        counter[0] += 500
+        time.sleep(0.25)  # a greenlet hogging the loop (not yielding) for 250 ms
+        gevent.sleep(0.12)
+        watch.stop()
+        assert quiet < 50
+
+    gevent.spawn(scenario).get()
+    sink.close()
+    assert watch.max_lag_ms >= 150
+    table = read_table(str(tmp_path), "selfwatch").to_pylist()
+    assert len(table) == len(watch.samples) >= 4
+    assert max(r["loop_lag_ms"] for r in table) == watch.max_lag_ms
+    assert all(r["worker"] == "w1" and r["in_flight"] == 4 for r in table)
+    assert all(r["rss_bytes"] > 10 * 2**20 for r in table)
+    assert all(r["cpu_percent"] is not None and r["cpu_percent"] >= 0 for r in table)
+    assert sum(r["token_events_per_s"] > 0 for r in table) == 1  # the one interval with +500

@@ -1,0 +1,85 @@
+"""Exact-length prompts, sized by the real simulator's /tokenize; no prompt text recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from calculet_load.client import run_in_greenlet
+from calculet_load.runfolder import part_files
+from calculet_load.session import RequestSpec, RunContext, Session
+from calculet_load.sink import PartSink
+from calculet_load.workload import PromptFactory, WorkloadError, http_tokenizer, sample_words
+from tests.simproc import SimProcess
+
+
+def test_corpus_samples_are_deterministic_and_distinct() -> None:
+    assert sample_words(0, 1, 50) == sample_words(0, 1, 50)
+    assert sample_words(0, 1, 50) != sample_words(0, 2, 50)
+    assert sample_words(0, 1, 50) != sample_words(1, 1, 50)
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 128, 2048, 40959])
+def test_id_prompts_have_exactly_n_tokens_on_the_server(fast_sim: SimProcess, n: int) -> None:
+    factory = PromptFactory(http_tokenizer(fast_sim.url), mode="ids")
+    prompt = factory.prompt(n, sample=3)
+    assert prompt.tokens == n
+    assert isinstance(prompt.payload, list) and len(prompt.payload) == n
+    assert prompt.sample_id == "synthetic:0:3"
+    # The server agrees: it reports the prompt length it evaluated.
+    status, body = fast_sim.json(
+        "POST", "/completion", {"prompt": prompt.payload, "n_predict": 1, "stream": False}
+    )
+    assert status == 200, body
+    assert body["tokens_evaluated"] == n
+
+
+@pytest.mark.parametrize("n", [20, 128, 1000])
+def test_chat_prompts_have_exactly_n_tokens_template_included(fast_sim: SimProcess, n: int) -> None:
+    factory = PromptFactory(http_tokenizer(fast_sim.url), mode="chat")
+    prompt = factory.prompt(n, sample=1)
+    assert isinstance(prompt.payload, str)
+    status, body = fast_sim.json(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": prompt.payload}], "max_tokens": 1},
+    )
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == n
+
+
+def test_out_of_range_and_impossible_prompts_name_the_parameter(fast_sim: SimProcess) -> None:
+    factory = PromptFactory(http_tokenizer(fast_sim.url), mode="chat")
+    with pytest.raises(WorkloadError, match="prompt_tokens: 0 outside"):
+        factory.prompt(0)
+    with pytest.raises(WorkloadError, match="prompt_tokens: 40960 outside"):
+        factory.prompt(40960)
+    with pytest.raises(WorkloadError, match="chat template alone"):
+        factory.prompt(2)  # the template is longer than two tokens
+    with pytest.raises(WorkloadError, match="mode"):
+        PromptFactory(http_tokenizer(fast_sim.url), mode="words")
+
+
+def test_no_prompt_or_output_text_reaches_the_run_folder(
+    fast_sim: SimProcess, tmp_path: Path
+) -> None:
+    factory = PromptFactory(http_tokenizer(fast_sim.url), mode="chat")
+    prompt = factory.prompt(300, sample=5)
+    assert isinstance(prompt.payload, str)
+    assert "payload" not in repr(prompt)
+    sink = PartSink(str(tmp_path), "w1")
+    session = Session(RunContext("run", "w1"), fast_sim.url, "openai-chat", sink=sink)
+    record, out = run_in_greenlet(
+        lambda: session.send(RequestSpec(prompt=prompt, max_tokens=40, concurrency=1))
+    )
+    session.close()
+    sink.close()
+    assert out.ok and record.ext.corpus_sample_id == "synthetic:0:5"
+    assert record.workload.prompt_tokens == 300 == record.ext.server_prompt_tokens
+    blob = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    words = prompt.payload.split()
+    # Any run of five prompt words would show up if the prompt had been written.
+    for i in range(0, len(words) - 5, 25):
+        assert " ".join(words[i : i + 5]).encode() not in blob
+    assert part_files(str(tmp_path), "requests")
