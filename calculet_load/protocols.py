@@ -71,6 +71,12 @@ def load_json(data: str) -> tuple[Any, bool]:
         return json.loads(data, parse_constant=hook), hook.seen
     except json.JSONDecodeError as exc:
         raise ProtocolError("invalid_json", f"event data: {exc.msg} at char {exc.pos}") from None
+    except (ValueError, RecursionError) as exc:
+        # JSON beyond this decoder's limits (RFC 8259 §9 allows limits): an integer of more
+        # than sys.get_int_max_str_digits() digits raises ValueError, nesting deeper than
+        # the recursion limit RecursionError. Either would otherwise escape the client.
+        detail = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+        raise ProtocolError("invalid_json", f"event data: {detail[:200]}") from None
 
 
 def _int(obj: Any, key: str) -> int | None:
@@ -79,6 +85,13 @@ def _int(obj: Any, key: str) -> int | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ProtocolError("protocol_violation", f"{key}: expected a non-negative integer")
+    return value
+
+
+def _str(obj: dict[str, Any], key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ProtocolError("protocol_violation", f"{key}: expected a string")
     return value
 
 
@@ -186,12 +199,18 @@ class OpenAIAdapter(Adapter):
         for ch in choices:
             if not isinstance(ch, dict):
                 raise ProtocolError("protocol_violation", "choices[]: expected an object")
-            piece = ch.get("delta", {}).get("content") if self.chat else ch.get("text")
+            src = ch.get("delta") if self.chat else ch
+            if src is None:
+                src = {}
+            elif not isinstance(src, dict):
+                raise ProtocolError("protocol_violation", "choices[].delta: expected an object")
+            piece = _str(src, "content" if self.chat else "text")
             if piece:
                 info.text += piece
                 has_content = True
-            if ch.get("finish_reason"):
-                info.finish_reason = ch["finish_reason"]
+            reason = _str(ch, "finish_reason")
+            if reason:
+                info.finish_reason = reason
         usage = obj.get("usage")
         completion = _int(usage, "completion_tokens") if usage is not None else None
         if usage is not None:
@@ -222,12 +241,22 @@ class OpenAIAdapter(Adapter):
         if err is not None:
             info.error_type, info.error = err
             return info
-        choices = obj.get("choices") or [{}]
-        ch = choices[0] if isinstance(choices[0], dict) else {}
-        msg = ch.get("message", {}) if self.chat else ch
-        text = msg.get("content") if self.chat else msg.get("text")
+        choices = obj.get("choices")
+        if choices is None:
+            choices = []
+        if not isinstance(choices, list):
+            raise ProtocolError("protocol_violation", "choices: expected a list")
+        ch = choices[0] if choices else {}
+        if not isinstance(ch, dict):
+            raise ProtocolError("protocol_violation", "choices[]: expected an object")
+        msg = ch.get("message") if self.chat else ch
+        if msg is None:
+            msg = {}
+        elif not isinstance(msg, dict):
+            raise ProtocolError("protocol_violation", "choices[].message: expected an object")
+        text = msg.get("content" if self.chat else "text")
         info.text = text if isinstance(text, str) else ""
-        info.finish_reason = ch.get("finish_reason")
+        info.finish_reason = _str(ch, "finish_reason")
         usage = obj.get("usage")
         total = _int(usage, "completion_tokens")
         if total is None:
