@@ -82,7 +82,9 @@ class TraceReader:
         self.host, self.port = host, int(port)
         self.offset = 0
 
-    def new_rows(self) -> list[dict[str, Any]]:
+    def new_rows(self, only: bytes = b"") -> list[dict[str, Any]]:
+        """Rows appended since the last call; with `only`, just the lines containing it
+        (the sim writes ~7 rows per token; parsing them all costs more than the join)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
             conn.request("GET", f"/traces/server_events?offset={self.offset}")
@@ -96,7 +98,7 @@ class TraceReader:
         # A row may be half-written only at the very end; keep whole lines.
         cut = body.rfind(b"\n") + 1
         self.offset -= len(body) - cut
-        return [json.loads(line) for line in body[:cut].splitlines() if line]
+        return [json.loads(line) for line in body[:cut].splitlines() if line and only in line]
 
 
 # ---------------------------------------------------------------- the join

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -54,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         getattr(module, add_fn)(p)
         runners[name] = getattr(module, run_fn)
     args = parser.parse_args(argv)
-    return runners[args.command](args)
+    try:
+        return runners[args.command](args)
+    except BrokenPipeError:  # the reader went away (`... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ ERROR_CLASSES: dict[str, str] = {
     "protocol_violation": "the response breaks the target protocol",
     "nonfinite_number": "a numeric field is NaN or Infinity",
     "cancelled": "the client cancelled the request on purpose",
-    "pool_exhausted": "no connection free under the in-flight cap (an open-loop drop)",
+    "pool_exhausted": "no connection free under the connection cap",
+    "dropped": "an open-loop arrival found the in-flight cap full and was not sent",
 }
 
 T = TypeVar("T")
@@ -201,8 +202,16 @@ class _Fail(Exception):
 class _Run:
     """State of one request while it runs; `execute` drives it."""
 
-    def __init__(self, adapter: Adapter, out: Outcome, clock: Clock, stream: bool) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        out: Outcome,
+        clock: Clock,
+        stream: bool,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> None:
         self.adapter = adapter
+        self.on_token = on_token
         self.out = out
         self.clock = clock
         self.stream = stream
@@ -254,9 +263,10 @@ class _Run:
                 self.t["t4"] = t
             self.t["t5"] = t
             out.output_tokens += info.tokens
-            out.token_events.append(
-                TokenEvent(out.request_id, index, t, info.tokens, info.cumulative)
-            )
+            ev = TokenEvent(out.request_id, index, t, info.tokens, info.cumulative)
+            out.token_events.append(ev)
+            if self.on_token is not None:
+                self.on_token(ev)
         if info.finish_reason:
             out.finish_reason = info.finish_reason
         if info.final_total is not None:
@@ -281,11 +291,15 @@ def execute(
     clock: Clock | None = None,
     cancel: CancelAt = None,
     extra_headers: dict[str, str] | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
 ) -> Outcome:
-    """Run one request and return its outcome; never raises for a server's behaviour."""
+    """Run one request and return its outcome; never raises for a server's behaviour.
+
+    `on_token` is called for each event that carries generated tokens, right after it is
+    counted (on the reading greenlet: it must be cheap)."""
     clock = clock or SystemClock()
     out = Outcome(request_id)
-    run = _Run(adapter, out, clock, stream)
+    run = _Run(adapter, out, clock, stream, on_token)
     payload = json.dumps(body, separators=(",", ":")).encode()
     headers = [
         ("Host", pool.endpoint.authority),
@@ -304,6 +318,7 @@ def execute(
     ns: dict[str, int | None] = {"t0": t0, "t1": None, "t2": None, "t6": None}
     sock: socket.socket | None = None
     reusable = False
+    killed: gevent.GreenletExit | None = None
     deadline = t0 + int(timeouts.total_s * 1e9)
     try:
         try:
@@ -331,6 +346,12 @@ def execute(
         out.error_code = f.code or f.error_class
         if f.error_class == "cancelled" and out.cancelled_at is None:
             out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+    except gevent.GreenletExit as exc:
+        # The run stopped and killed this request's greenlet: keep what it measured.
+        out.error_class = out.error_code = "cancelled"
+        out.error_detail = "cut when the run stopped"
+        out.cancelled_at = "run_stop"
+        killed = exc
     finally:
         if sock is not None:
             pool.release(sock, reusable and out.error_class is None)
@@ -345,6 +366,9 @@ def execute(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
+    if killed is not None:
+        killed.outcome = out  # Session.send records it
+        raise killed
     return out
 
 

@@ -32,7 +32,9 @@ class SelfWatch:
         interval_s: float = 1.0,
         in_flight: Callable[[], int] | None = None,
         token_events: Callable[[], int] | None = None,
+        on_sample: Callable[[SelfWatchRow], None] | None = None,
     ) -> None:
+        self.on_sample = on_sample
         self.sink = sink
         self.worker = worker
         self.interval_s = interval_s
@@ -82,3 +84,5 @@ class SelfWatch:
                 del self.samples[:600]
             if self.sink is not None:
                 self.sink.add_selfwatch(row)
+            if self.on_sample is not None:
+                self.on_sample(row)

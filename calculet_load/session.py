@@ -14,6 +14,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import gevent
+
 from calculet_load.client import (
     CancelAt,
     ConnectionPool,
@@ -24,6 +26,7 @@ from calculet_load.client import (
 )
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.durations import durations
+from calculet_load.events import events
 from calculet_load.protocols import adapter_for
 from calculet_load.schema.manifest import RunManifest
 from calculet_load.schema.records import (
@@ -34,6 +37,7 @@ from calculet_load.schema.records import (
     RequestRecord,
     Result,
     Software,
+    TokenEvent,
     Workload,
 )
 from calculet_load.sink import PartSink
@@ -91,6 +95,8 @@ class RequestSpec:
     concurrency: int | None = None
     arrival: str | None = None
     intended_start_ns: int | None = None  # open loop: the schedule's monotonic time
+    late_after_ms: float | None = None  # sent later than this after intended: `late`
+    burst_id: str | None = None
     warmup: bool = False
     cancel: CancelAt = None
 
@@ -166,6 +172,13 @@ def make_record(ctx: RunContext, spec: RequestSpec, out: Outcome, protocol: str)
             arrival=spec.arrival,
             intended_start_ns=spec.intended_start_ns,
             send_lag_ms=late_ms,
+            late=(
+                late_ms is not None
+                and spec.late_after_ms is not None
+                and late_ms > spec.late_after_ms
+            ),
+            dropped=out.error_class == "dropped",
+            burst_id=spec.burst_id,
             e2e_from_intended_ms=from_intended["e2e"] if out.ok else None,
             ttft_from_intended_ms=from_intended["ttft"],
             error_class=out.error_class,
@@ -195,6 +208,20 @@ def _partial(out: Outcome) -> Any:
 
 
 RecordHook = Callable[[RequestRecord, Outcome], None]
+
+
+def _token_hook() -> Callable[[TokenEvent], None]:
+    """Fires `events.first_token` once and `events.token_event` for each token event."""
+    first = True
+
+    def on_token(ev: TokenEvent) -> None:
+        nonlocal first
+        if first:
+            first = False
+            events.first_token.fire(request_id=ev.request_id, arrival_ns=ev.arrival_ns)
+        events.token_event.fire(event=ev)
+
+    return on_token
 
 
 class Session:
@@ -238,6 +265,7 @@ class Session:
             ignore_eos=spec.ignore_eos,
         )
         self.in_flight += 1
+        on_token = _token_hook() if (events.token_event or events.first_token) else None
         try:
             out = execute(
                 self.pool,
@@ -248,15 +276,39 @@ class Session:
                 timeouts=self.timeouts,
                 clock=self.clock,
                 cancel=spec.cancel,
+                on_token=on_token,
             )
+        except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
+            cut: Outcome | None = getattr(exc, "outcome", None)
+            if cut is not None:
+                self._finish(spec, cut)
+            raise
         finally:
             self.in_flight -= 1
+        return self._finish(spec, out), out
+
+    def _finish(self, spec: RequestSpec, out: Outcome) -> RequestRecord:
         record = make_record(self.ctx, spec, out, self.protocol)
         if self.sink is not None:
             self.sink.add(record, out.token_events)
         for hook in self.hooks:
             hook(record, out)
-        return record, out
+        if events.request_done:
+            events.request_done.fire(record=record, outcome=out)
+        return record
+
+    def record_dropped(self, spec: RequestSpec, reason: str) -> RequestRecord:
+        """Record an arrival that was not sent (in-flight cap full): never silently lost."""
+        out = Outcome(self.next_request_id())
+        out.wall_anchor_ns = self.clock.wall_ns()
+        out.error_class = out.error_code = "dropped"
+        out.error_detail = reason
+        record = make_record(self.ctx, spec, out, self.protocol)
+        if self.sink is not None:
+            self.sink.add(record)
+        if events.arrival_dropped:
+            events.arrival_dropped.fire(record=record)
+        return record
 
     def close(self) -> None:
         self.pool.close()

@@ -102,10 +102,12 @@ class PartSink:
         self._part = self._first_free_part()
         self._closed = False
         self._queue = _original("queue", "SimpleQueue")()
-        self._thread = _original("threading", "Thread")(
-            target=self._writer, name=f"calculet-sink-{worker}", daemon=True
-        )
-        self._thread.start()
+        # A real OS thread even when gevent has patched `threading` (Locust does): the
+        # patched Thread class would start a greenlet, and its blocking queue.get() would
+        # stop the whole event loop. Native lock and queue only, for the same reason.
+        self._finished = _original("_thread", "allocate_lock")()
+        self._finished.acquire()
+        _original("_thread", "start_new_thread")(self._writer_main, ())
         atexit.register(self.close)
 
     # --- called on the event loop: appends only -------------------------------------
@@ -143,7 +145,7 @@ class PartSink:
             self._closed = True
             self.rotate()
             self._queue.put(None)
-            self._thread.join()
+            self._finished.acquire()  # the writer has written everything and stopped
             atexit.unregister(self.close)
         return self.stats
 
@@ -156,18 +158,25 @@ class PartSink:
         """Wait until the parts handed over so far are on disk; the open part stays open."""
         if self._closed:
             return True
-        done = _original("threading", "Event")()
+        done = _original("_thread", "allocate_lock")()
+        done.acquire()
         self._queue.put(done)
-        return bool(done.wait(timeout_s))
+        return bool(done.acquire(timeout=timeout_s))
 
     # --- the writer thread ------------------------------------------------------------
+    def _writer_main(self) -> None:
+        try:
+            self._writer()
+        finally:
+            self._finished.release()
+
     def _writer(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
             if not isinstance(item, _Batch):
-                item.set()
+                item.release()  # a wait_written marker: everything before it is written
                 continue
             t = time.perf_counter()
             try:

@@ -117,8 +117,9 @@ class Ext:
     arrival: str | None = None  # closed | poisson | constant | gamma | replay | burst | single
     intended_start_ns: int | None = None  # open loop: the schedule's time (monotonic)
     send_lag_ms: float | None = None  # actual send minus intended
-    late: bool = False
-    dropped: bool = False
+    late: bool = False  # sent more than the run's late threshold after its intended time
+    dropped: bool = False  # an open-loop arrival that found the in-flight cap full: not sent
+    burst_id: str | None = None  # the burst this request belongs to (fired at one instant)
     e2e_from_intended_ms: float | None = None
     ttft_from_intended_ms: float | None = None
     error_class: str | None = None

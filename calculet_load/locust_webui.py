@@ -1,0 +1,103 @@
+"""The web UI's "LLM" tab and its controls (Locust 2.4x React UI).
+
+The tab is a table filled from the merged live figures; Locust's front end polls
+`/stats/requests` every 2 s, and an `after_request` hook adds our rows to that answer
+(`research/locust.md` §5.1). Two small endpoints change a running open-loop run:
+
+    POST /calculet/rate   {"rate": 4.0}    new total arrival rate, from 0.5 s ahead
+    POST /calculet/burst  {"size": 16}     fire a burst across all workers, 1 s ahead
+    GET  /calculet/live                     the same figures as JSON
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from flask import Response, jsonify, request
+from locust.env import Environment
+
+from calculet_load.livestats import LiveStats
+
+TAB = "calculet"
+COLUMNS = [
+    {"key": "figure", "title": "Figure"},
+    {"key": "p50", "title": "p50"},
+    {"key": "p90", "title": "p90"},
+    {"key": "p99", "title": "p99"},
+    {"key": "value", "title": "Value"},
+]
+
+
+def install(env: Environment, coordinator: Callable[[], Any]) -> None:
+    ui = env.web_ui
+    assert ui is not None and ui.app is not None
+    app = ui.app
+    ui.template_args["extended_tabs"] = [{"title": "LLM (calculet)", "key": TAB}]
+    ui.template_args["extended_tables"] = [{"key": TAB, "structure": COLUMNS}]
+
+    from calculet_load.locust_plugin import options as _options
+
+    options = _options(env)
+
+    def stats() -> LiveStats | None:
+        from calculet_load.locust_plugin import live_stats
+
+        return live_stats()
+
+    @app.after_request
+    def _add_rows(resp: Response) -> Response:
+        if request.path.endswith("/stats/requests") and resp.is_json:
+            s = stats()
+            rows = s.rows() if s is not None else []
+            data = resp.get_json()
+            data["extended_stats"] = [{"key": TAB, "data": rows}]
+            resp.set_data(json.dumps(data))
+        return resp
+
+    @app.route("/calculet/live")
+    @ui.auth_required_if_enabled
+    def _live() -> Any:
+        s = stats()
+        return jsonify(
+            {
+                "rows": s.rows() if s is not None else [],
+                "counters": dict(s.counters) if s is not None else {},
+                "errors": dict(s.errors) if s is not None else {},
+            }
+        )
+
+    @app.route("/calculet/rate", methods=["POST"])
+    @ui.auth_required_if_enabled
+    def _rate() -> Any:
+        body = request.get_json(silent=True) or request.form
+        try:
+            rate = float(body["rate"])
+            if rate < 0:
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            return jsonify({"error": "rate: a number >= 0 is required"}), 400
+        c = coordinator()
+        try:
+            c.change_rate(rate)
+        except ValueError as exc:
+            return jsonify({"error": str(exc)}), 409
+        return jsonify({"rate": rate})
+
+    @app.route("/calculet/burst", methods=["POST"])
+    @ui.auth_required_if_enabled
+    def _burst() -> Any:
+        body = request.get_json(silent=True) or request.form
+        try:
+            size = int(body.get("size", options.burst_size))
+            if size < 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            return jsonify({"error": "size: an integer >= 1 is required"}), 400
+        c = coordinator()
+        try:
+            msg = c.fire_burst(size, float(options.burst_lead))
+        except ValueError as exc:
+            return jsonify({"error": str(exc)}), 409
+        return jsonify({"id": msg["id"], "fire_at_wall_ns": msg["fire_at_wall_ns"]})

@@ -1,0 +1,136 @@
+"""Workload mixes (spec §6.3) as data: weighted request shapes, chosen per arrival.
+
+A mix file is YAML:
+
+    schema: calculet-mix/v1
+    name: mixed-70-20-10
+    description: 70 % short, 20 % medium, 10 % long
+    entries:
+      - {name: short, weight: 70, prompt_tokens: 128, max_tokens: 32}
+      - {name: medium, weight: 20, prompt_tokens: 2048, max_tokens: 128}
+      - {name: long, weight: 10, prompt_tokens: 16384, max_tokens: 256}
+
+The entry for arrival k is a pure function of (seed, k), so every worker agrees on what
+the k-th request of the run is, and a rerun with the same seed sends the same sequence.
+`--mix` takes a file path or the name of a file in `configs/mixes/`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MIX_SCHEMA = "calculet-mix/v1"
+MIX_DIR = Path(__file__).resolve().parent.parent / "configs" / "mixes"
+
+
+class MixError(ValueError):
+    pass
+
+
+class MixEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="label; becomes the record's cell")
+    weight: float = Field(gt=0, description="relative share of arrivals")
+    prompt_tokens: int = Field(ge=1, le=40959, description="exact prompt length in tokens")
+    max_tokens: int = Field(ge=1, description="output tokens requested (ignore_eos on)")
+    stream: bool = True
+    temperature: float = Field(default=0.0, ge=0)
+    samples: int = Field(
+        default=16, ge=1, description="distinct corpus samples cycled through (prefix reuse)"
+    )
+
+
+class Mix(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_: Literal["calculet-mix/v1"] = Field(default="calculet-mix/v1", alias="schema")
+    name: str = Field(min_length=1)
+    description: str = ""
+    entries: list[MixEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Mix:
+        names = [e.name for e in self.entries]
+        if len(set(names)) != len(names):
+            raise ValueError("entries: names must be unique")
+        return self
+
+    def chooser(self, seed: int) -> MixChooser:
+        return MixChooser(self, seed)
+
+
+class MixChooser:
+    """entry_for(k): the mix entry of arrival k, from (seed, k) alone."""
+
+    def __init__(self, mix: Mix, seed: int) -> None:
+        self.mix = mix
+        self.seed = seed
+        weights = [e.weight for e in mix.entries]
+        total = sum(weights)
+        self._cum = [c / total for c in itertools.accumulate(weights)]
+
+    def entry_for(self, k: int) -> tuple[MixEntry, int]:
+        """(entry, corpus sample index) of arrival k."""
+        if len(self.mix.entries) == 1:
+            entry = self.mix.entries[0]
+        else:
+            digest = hashlib.blake2b(f"{self.seed}:{k}".encode(), digest_size=8).digest()
+            u = int.from_bytes(digest, "big") / 2**64
+            i = min(bisect.bisect_right(self._cum, u), len(self._cum) - 1)
+            entry = self.mix.entries[i]
+        return entry, k % entry.samples
+
+
+def single(prompt_tokens: int, max_tokens: int, *, stream: bool = True) -> Mix:
+    """The one-shape mix of `--prompt-tokens`/`--max-tokens`."""
+    return Mix(
+        name=f"p{prompt_tokens}-o{max_tokens}",
+        entries=[
+            MixEntry(
+                name=f"p{prompt_tokens}-o{max_tokens}",
+                weight=1,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                stream=stream,
+            )
+        ],
+    )
+
+
+def parse_mix(data: Any, source: str) -> Mix:
+    try:
+        return Mix.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise MixError(f"{source}: {path}: {err['msg']}") from None
+
+
+def load_mix(name_or_path: str) -> Mix:
+    """A mix from a file path, or by name from configs/mixes/ (`chat-mixed` or its file)."""
+    p = Path(name_or_path)
+    if not p.exists():
+        candidate = MIX_DIR / f"{name_or_path}.yaml"
+        if not candidate.exists():
+            known = sorted(f.stem for f in MIX_DIR.glob("*.yaml"))
+            raise MixError(f"mix: {name_or_path!r} is neither a file nor one of {known}")
+        p = candidate
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise MixError(f"{p}:{where} invalid YAML") from None
+    return parse_mix(data, str(p))
+
+
+def mix_json_schema() -> dict[str, Any]:
+    return Mix.model_json_schema(by_alias=True)
