@@ -66,6 +66,8 @@ class LogHistogram:
         if not self.count:
             return None
         rank = max(1, math.ceil(q * self.count))
+        if rank >= self.count:
+            return self.max  # the largest value is kept exactly
         seen = 0
         for bucket in sorted(self.buckets):
             seen += self.buckets[bucket]

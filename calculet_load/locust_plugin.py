@@ -33,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,13 +49,14 @@ from locust import User, events, task
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
-from calculet_load.arrivals import RateClock, Schedule, load_replay
+from calculet_load.arrivals import ArrivalError, RateClock, Schedule, load_replay, unit_gaps
 from calculet_load.client import Outcome, Timeouts
+from calculet_load.events import events as cl_events
 from calculet_load.livestats import LiveStats
 from calculet_load.mixes import Mix, MixChooser, MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.records import RequestRecord
-from calculet_load.selfwatch import SelfWatch
+from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session
 from calculet_load.sink import PartSink
 from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_tokenizer
@@ -65,14 +68,18 @@ ARRIVALS = ("closed", *OPEN_LOOP, "burst")
 PROTOCOLS = ("llama", "openai-chat", "openai-completions")
 INDEX_SCHEMA = "calculet-client-index/v1"
 HISTORY_KEEP = 3600  # Locust appends a history row per second forever: keep an hour
-SPIN_S = 0.0015  # wake this early and yield until the intended instant (timer slack)
+SPIN_S = TIMER_SLACK_S  # wake this early, then yield until the intended instant
+UI_OPTIONS: set[str] = set()  # our options in the web UI's start form (their dest names)
 
 
 # ------------------------------------------------------------------ options
 @events.init_command_line_parser.add_listener
 def _add_options(parser: Any) -> None:
     def opt(*names: str, **kw: Any) -> None:
-        parser.add_argument(*names, include_in_web_ui=kw.pop("ui", True), **kw)
+        ui = kw.pop("ui", True)
+        action = parser.add_argument(*names, include_in_web_ui=ui, **kw)
+        if ui:
+            UI_OPTIONS.add(action.dest)
 
     opt("--protocol", choices=PROTOCOLS, default="llama", help="target protocol")
     opt("--model", default="", help="model name sent to OpenAI-style targets")
@@ -202,10 +209,13 @@ class Worker:
         self.plan_changed = gevent.event.Event()
         # the schedule's origin on this process's monotonic clock
         self.origin_mono = time.monotonic_ns() + (plan.origin_wall_ns - time.time_ns())
+        self.token_events_seen = 0
+        cl_events.token_event.add_listener(self._on_token_event)
         self.watch = SelfWatch(
             self.sink,
             self.name,
             in_flight=lambda: self.session.in_flight,
+            token_events=lambda: self.token_events_seen,
             on_sample=self._on_selfwatch,
         )
         self.watch.start()
@@ -294,6 +304,9 @@ class Worker:
             exception=exc,
             context={},
         )
+
+    def _on_token_event(self, **_kw: Any) -> None:
+        self.token_events_seen += 1
 
     def _on_selfwatch(self, row: Any) -> None:
         for s in (self.stats, self.wire_pending):
@@ -430,6 +443,7 @@ class Worker:
         self.abandoned = len(self.pool)
         self.pool.kill(block=True, timeout=5)
         self.watch.stop()
+        cl_events.token_event.remove_listener(self._on_token_event)
         self.sink.close()
         self.session.close()
 
@@ -770,6 +784,10 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
     if environment.parsed_options is None:
         return
     _validate(environment.parsed_options)
+    # The sink's writer thread converts rows to Arrow while holding the GIL; with the
+    # default 5 ms switch interval the event loop could wait that long for the GIL, and
+    # every timestamp with it. 0.5 ms bounds that wait at a small cost in throughput.
+    sys.setswitchinterval(0.0005)
     runner = environment.runner
     if not isinstance(runner, WorkerRunner):
         STATE.master = Coordinator(environment)
@@ -788,11 +806,23 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
 
 def _validate(opts: Any) -> None:
     """Bad options fail at start with one line naming the option."""
+    problems = option_problems(opts)
+    if problems:
+        raise SystemExit("calculet-load: " + "; ".join(problems))
+
+
+def option_problems(opts: Any) -> list[str]:
+    """What is wrong with these options, one phrase naming the option each (none: [])."""
     problems = []
-    if opts.rate < 0:
-        problems.append(f"--rate must be >= 0, got {opts.rate}")
+    if not math.isfinite(opts.rate) or opts.rate < 0:
+        problems.append(f"--rate must be a finite number >= 0, got {opts.rate}")
     if opts.arrival == "replay" and not opts.replay_file:
         problems.append("--replay-file is required with --arrival replay")
+    elif opts.arrival == "replay":
+        try:
+            next(unit_gaps("replay", 0, replay=load_replay(opts.replay_file)))
+        except (ArrivalError, OSError) as exc:
+            problems.append(f"--replay-file: {exc}")
     if opts.burstiness <= 0:
         problems.append(f"--burstiness must be > 0, got {opts.burstiness}")
     if opts.max_in_flight < 1:
@@ -803,8 +833,7 @@ def _validate(opts: Any) -> None:
             load_manifest(opts.manifest)
     except (MixError, ManifestError) as exc:
         problems.append(str(exc))
-    if problems:
-        raise SystemExit("calculet-load: " + "; ".join(problems))
+    return problems
 
 
 @events.test_start.add_listener

@@ -7,10 +7,15 @@ The tab is a table filled from the merged live figures; Locust's front end polls
     POST /calculet/rate   {"rate": 4.0}    new total arrival rate, from 0.5 s ahead
     POST /calculet/burst  {"size": 16}     fire a burst across all workers, 1 s ahead
     GET  /calculet/live                     the same figures as JSON
+
+The start form's custom parameters are checked like the command line's before Locust
+applies them: a bad value is refused with one line naming the option, the way Locust
+refuses a bad user count, instead of starting a run that sends nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +45,31 @@ def install(env: Environment, coordinator: Callable[[], Any]) -> None:
     from calculet_load.locust_plugin import options as _options
 
     options = _options(env)
+
+    @app.before_request
+    def _check_start_form() -> Any:
+        if request.method != "POST" or not request.path.endswith("/swarm"):
+            return None
+        return ui.auth_required_if_enabled(_form_problems)()
+
+    def _form_problems() -> Any:
+        from calculet_load.locust_plugin import UI_OPTIONS, option_problems
+
+        trial = copy.copy(options)
+        problems = []
+        for key in sorted(UI_OPTIONS & set(request.form)):
+            value, current = request.form[key], getattr(trial, key)
+            try:
+                setattr(trial, key, _as_option(current, value))
+            except ValueError:
+                kind = type(current).__name__
+                problems.append(f"--{key.replace('_', '-')}: expected {kind}, got {value!r}")
+        problems += option_problems(trial)
+        if not problems:
+            return None
+        # Locust's own answer to a bad form (200 + success false): the UI shows the message
+        message = "calculet-load: " + "; ".join(problems)
+        return jsonify({"success": False, "message": message, "host": env.host})
 
     def stats() -> LiveStats | None:
         from calculet_load.locust_plugin import live_stats
@@ -101,3 +131,12 @@ def install(env: Environment, coordinator: Callable[[], Any]) -> None:
         except ValueError as exc:
             return jsonify({"error": str(exc)}), 409
         return jsonify({"id": msg["id"], "fire_at_wall_ns": msg["fire_at_wall_ns"]})
+
+
+def _as_option(current: Any, value: str) -> Any:
+    """A form value in the option's type, as Locust's /swarm converts it."""
+    if isinstance(current, bool):
+        return value == "true"
+    if current is None:
+        return value
+    return type(current)(value)

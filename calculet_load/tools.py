@@ -26,12 +26,14 @@ def check_manifest(args: argparse.Namespace) -> int:
 
 
 def _schemas() -> dict[str, Any]:
+    from calculet_load.mixes import mix_json_schema
     from calculet_load.schema.records import request_json_schema
     from calculet_load.schema.traces import AuditRow, DeviceRow, ServerEventRow, StepRow
     from calculet_load.schema.traces import json_schema as trace_schema
 
     return {
         "manifest": manifest_json_schema,
+        "mix": mix_json_schema,
         "request": request_json_schema,
         "server_events": lambda: trace_schema(ServerEventRow),
         "steps": lambda: trace_schema(StepRow),

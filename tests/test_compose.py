@@ -1,0 +1,276 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+
+The file is read as data and held to what the containers need (one image, the shared
+`runs` volume, service names used as host names, published ports). Every option its
+commands use must appear in the same program's `--help`, and the same three commands —
+simulator, master, one worker — are then run on loopback, with only addresses and ports
+changed and `--headless -t` added, and must leave a run folder with the worker's parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from calculet_load.runfolder import read_records
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+APP = "/app"  # the image's WORKDIR: compose paths under it are repo paths
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _dockerfile() -> list[tuple[str, list[str]]]:
+    """(INSTRUCTION, args) per instruction; continuation lines joined, comments dropped."""
+    text = (REPO / "Dockerfile").read_text()
+    lines = [x for x in text.splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    out = []
+    for line in joined.splitlines():
+        word, _, rest = line.strip().partition(" ")
+        out.append((word.upper(), rest.split()))
+    return out
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    assert flag in cmd, (flag, cmd)
+    return cmd[cmd.index(flag) + 1]
+
+
+def _flags(cmd: list[str]) -> list[str]:
+    return [t for t in cmd[1:] if t.startswith("-")]
+
+
+# ------------------------------------------------------------------ the file as data
+def test_three_services_from_one_image_built_here() -> None:
+    assert set(SERVICES) == {"sim", "master", "worker"}
+    images = {s["image"] for s in SERVICES.values()}
+    assert len(images) == 1, images
+    for name, s in SERVICES.items():
+        context = s["build"] if isinstance(s["build"], str) else s["build"]["context"]
+        assert (REPO / context / "Dockerfile").is_file(), name
+        assert s.get("working_dir", APP) == APP, name
+        assert isinstance(s["command"], list), f"{name}: exec form, no shell"
+    assert SERVICES["sim"]["command"][0] == "calculet-sim"
+    assert SERVICES["master"]["command"][0] == SERVICES["worker"]["command"][0] == "locust"
+
+
+def test_commands_wire_the_services_together() -> None:
+    sim, master, worker = (SERVICES[n]["command"] for n in ("sim", "master", "worker"))
+    assert _value(sim, "--host") == "0.0.0.0"
+    sim_port = _value(sim, "--port")
+    assert _value(master, "-H") == f"http://sim:{sim_port}"
+    assert "--master" in master and "--worker" in worker
+    assert _value(worker, "--master-host") == "master"
+    for cmd in (master, worker):
+        locustfile = _value(cmd, "-f")
+        assert not locustfile.startswith("/") and (REPO / locustfile).is_file(), locustfile
+    assert _value(master, "-f") == _value(worker, "-f")
+    # the simulator's traces go to the run volume
+    assert _value(sim, "--trace-dir").startswith(f"{APP}/runs/")
+
+
+def test_ports_volumes_and_start_order() -> None:
+    sim, master, worker = (SERVICES[n] for n in ("sim", "master", "worker"))
+    web_port = _value(master["command"], "--web-port")
+    assert master["ports"] == [f"{web_port}:{web_port}"] and web_port == "8089"
+    sim_port = _value(sim["command"], "--port")
+    assert sim["ports"] == [f"{sim_port}:{sim_port}"] and sim_port == "8000"
+    assert "ports" not in worker, "a published port would stop --scale worker=N"
+    assert "runs" in COMPOSE["volumes"]
+    for name, s in SERVICES.items():
+        assert f"runs:{APP}/runs" in s["volumes"], name
+    assert "sim" in master["depends_on"] and "master" in worker["depends_on"]
+    if isinstance(master["depends_on"], dict):
+        condition = master["depends_on"]["sim"].get("condition", "service_started")
+        assert condition != "service_healthy" or "healthcheck" in sim
+
+
+def test_every_option_appears_in_its_programs_help() -> None:
+    for name, s in SERVICES.items():
+        cmd = s["command"]
+        help_cmd = [str(BIN / cmd[0])]
+        if cmd[0] == "locust":  # calculet's options exist once the locustfile is loaded
+            help_cmd += ["-f", _value(cmd, "-f")]
+        out = subprocess.run(
+            [*help_cmd, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        for flag in _flags(cmd):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), (name, flag)
+
+
+def test_dockerfile_builds_what_compose_runs() -> None:
+    steps = _dockerfile()
+    known = {"FROM", "ENV", "WORKDIR", "COPY", "RUN", "EXPOSE", "CMD", "ARG", "LABEL", "USER"}
+    assert {w for w, _ in steps} <= known, steps
+    assert steps[0] == ("FROM", ["python:3.11-slim"])
+    assert ("WORKDIR", [APP]) in steps
+    copied: list[str] = []
+    for word, args in steps:
+        if word == "COPY":
+            *sources, _dest = [a for a in args if not a.startswith("--")]
+            for src in sources:
+                assert (REPO / src).exists(), f"COPY {src}: not in the repo"
+                copied.append(src.rstrip("/"))
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    assert not ignored & set(copied), ignored & set(copied)
+    # the project is installed after its sources are in: pyproject, readme, every package
+    install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "pip" in a)
+    before = {src for w, a in steps[:install] if w == "COPY" for src in a[:-1]}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    needed = {"pyproject.toml", project["project"]["readme"]}
+    needed |= {p.rstrip("*") for p in packages}
+    assert needed <= before, needed - before
+    # what the compose commands read at run time is in the image
+    for s in SERVICES.values():
+        if "-f" in s["command"]:
+            assert _value(s["command"], "-f").split("/")[0] in copied
+    assert "configs" in copied  # named mixes
+
+
+# ------------------------------------------------------------------ the same commands, run
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _local(cmd: list[str], app: Path, values: dict[str, str], extra: list[str]) -> list[str]:
+    """The container's command on this machine: same options, loopback addresses."""
+    out = [str(BIN / cmd[0])]
+    it = iter(cmd[1:])
+    for token in it:
+        out.append(token)
+        if token in values:
+            next(it)
+            out.append(values[token])
+    out = [t.replace(f"{APP}/", f"{app}/") if t.startswith(f"{APP}/") else t for t in out]
+    return out + extra
+
+
+class Procs:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: list[str], cwd: Path, **kw: Any) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        stdout = kw.pop("stdout", log)
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=log, **kw)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {n}\n{(self.tmp / f'{n}.log').read_text(errors='replace')[-3000:]}"
+            for n in self.procs
+        )
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    ps = Procs(tmp_path)
+    yield ps
+    ps.stop()
+
+
+def test_the_compose_commands_run_a_distributed_run(tmp_path: Path, procs: Procs) -> None:
+    # /app as the image lays it out: the repo's files, and an empty runs/ (the volume)
+    app = tmp_path / "app"
+    app.mkdir()
+    for name in ("locustfiles", "configs"):
+        (app / name).symlink_to(REPO / name)
+    (app / "runs").mkdir()
+
+    sim_cmd = _local(SERVICES["sim"]["command"], app, {"--host": "127.0.0.1", "--port": "0"}, [])
+    sim = procs.start("sim", sim_cmd, app, stdout=subprocess.PIPE)
+    assert sim.stdout is not None
+    ready, _, _ = select.select([sim.stdout], [], [], 30)
+    line = sim.stdout.readline().decode() if ready else ""
+    assert "listening on http://" in line, f"{line!r}\n{procs.logs()}"
+    sim_url = line.split()[-1]
+
+    # the compose healthcheck, pointed at this simulator
+    health = SERVICES["sim"]["healthcheck"]["test"]
+    assert health[:2] == ["CMD", "python"]
+    assert "127.0.0.1:8000" in health[3], health
+    code = health[3].replace("127.0.0.1:8000", sim_url.removeprefix("http://"))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=10)
+
+    master_port = str(_free_port())
+    master_cmd = _local(
+        SERVICES["master"]["command"],
+        app,
+        {"--web-host": "127.0.0.1", "--web-port": str(_free_port()), "-H": sim_url},
+        [
+            *("--master-bind-host", "127.0.0.1", "--master-bind-port", master_port),
+            *("--expect-workers", "1", "--headless", "-u", "2", "-r", "2", "-t", "6s"),
+        ],
+    )
+    worker_cmd = _local(
+        SERVICES["worker"]["command"],
+        app,
+        {"--master-host": "127.0.0.1"},
+        ["--master-port", master_port],
+    )
+    master = procs.start("master", master_cmd, app)
+    worker = procs.start("worker", worker_cmd, app)
+    try:
+        assert master.wait(60) == 0, procs.logs()
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the run did not end in time\n{procs.logs()}")
+
+    (index_path,) = (app / "runs").glob("*/client/index.json")
+    index = json.loads(index_path.read_text())
+    assert index["status"] == "complete", index
+    assert index["target"] == sim_url
+    (w,) = index["workers"]
+    assert w["worker"] == "w00" and w["status"] == "reported", w
+    assert w["requests"] > 0 and w["parts"], w
+    run_dir = index_path.parent.parent
+    on_disk = sorted(p.name for p in (run_dir / "client" / "w00").glob("part-*.parquet"))
+    assert on_disk == sorted(w["parts"]), (on_disk, w["parts"])
+    records = read_records(str(run_dir))
+    assert len(records) == w["requests"] + w["dropped"]
+    assert {r.ext.worker for r in records} == {"w00"}
+
+    # the simulator's traces are on the run volume once it stops
+    sim.send_signal(signal.SIGTERM)
+    sim.wait(15)
+    trace_dir = Path(_value(sim_cmd, "--trace-dir"))
+    assert trace_dir.is_relative_to(app / "runs")
+    assert any(p.stat().st_size > 0 for p in trace_dir.glob("*.jsonl")), list(trace_dir.iterdir())
