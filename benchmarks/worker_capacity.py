@@ -91,6 +91,16 @@ def pct(values: Any, q: float) -> float:
     return float(np.percentile(arr, q)) if arr.size else float("nan")
 
 
+def failed(req: pa.Table) -> int:
+    """Requests that failed, not counting those cut because the level's run ended."""
+    cut = req.column("ext.cancelled_at").to_pylist()
+    errors = req.column("ext.error_class").to_pylist()
+    dropped = req.column("ext.dropped").to_pylist()
+    return sum(
+        1 for e, c, d in zip(errors, cut, dropped, strict=True) if e and c != "run_stop" and not d
+    )
+
+
 def open_loop(tmp: Path, sim: SimProcess, rates: list[float], run_s: int) -> list[dict[str, Any]]:
     rows = []
     for rate in rates:
@@ -115,7 +125,7 @@ def open_loop(tmp: Path, sim: SimProcess, rates: list[float], run_s: int) -> lis
                 "send_p99": pct(lag, 99),
                 "loop_p99": pct(sw.column("loop_lag_ms").to_pylist(), 99),
                 "cpu": pct(sw.column("cpu_percent").to_pylist(), 50),
-                "failed": sum(1 for e in req.column("ext.error_class").to_pylist() if e),
+                "failed": failed(req),
             }
         )
         r = rows[-1]
@@ -146,7 +156,7 @@ def streams(tmp: Path, sim: SimProcess, levels: list[int], run_s: int) -> list[d
                 "events_s": float(np.median(rates[2:] or rates)) if rates else float("nan"),
                 "loop_p99": pct(sw.column("loop_lag_ms").to_pylist(), 99),
                 "cpu": pct(sw.column("cpu_percent").to_pylist(), 50),
-                "failed": sum(1 for e in req.column("ext.error_class").to_pylist() if e),
+                "failed": failed(req),
             }
         )
         r = rows[-1]
