@@ -2,7 +2,12 @@
 
 Never imports Locust or gevent, and reads files only (DESIGN §1). The statistics layer
 (`analysis.stats`, `analysis.compare`, `analysis.leaks`) is pure: arrays in, dataclasses
-out. Import the submodules directly; this package imports nothing heavy.
+out. The pipeline of `calculet-load analyze` (docs/analysis.md), in data-flow order:
+`load` (files → Arrow) → `join` (server traces, device rows) → `quality` (exclusions,
+partitions) → `cells` and `summary` (per-cell statistics) → `rules` (the rules file) →
+`evaluate` with `infra`, `correctness`, `comparisons`, `limits` (verdicts) → `verdict`
+(exit code, verdict.json) — orchestrated by `analyze`, fronted by `cli`. Import the
+submodules directly; this package imports nothing heavy.
 """
 
 __all__: list[str] = []

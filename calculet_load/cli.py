@@ -40,6 +40,37 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_export",
         "export",
     ),
+    "accept": (
+        "calculet_load.pipeline",
+        "the acceptance run of §15 in the order of §8: release, idle, golden, warmup, "
+        "matrix, golden, resources, traces, analysis, report, signature",
+        "add_arguments",
+        "run",
+    ),
+    "analyze": (
+        "analysis.cli",
+        "judge a run folder (and compare it with a baseline): verdict.json, summary, exit code",
+        "add_arguments",
+        "run",
+    ),
+    "sign": (
+        "analysis.signcli",
+        "hash every file of a run folder into a signed bundle (bundle.intoto.json)",
+        "add_sign",
+        "run_sign",
+    ),
+    "verify": (
+        "analysis.signcli",
+        "check a run folder against its signed bundle: what changed, and the signature",
+        "add_verify",
+        "run_verify",
+    ),
+    "keygen": (
+        "analysis.signcli",
+        "write a new Ed25519 signing key (FILE, mode 0600) and its public key (FILE.pub)",
+        "add_keygen",
+        "run_keygen",
+    ),
 }
 
 

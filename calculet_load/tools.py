@@ -26,6 +26,7 @@ def check_manifest(args: argparse.Namespace) -> int:
 
 
 def _schemas() -> dict[str, Any]:
+    from calculet_load.matrix import GoldenSet, matrix_json_schema
     from calculet_load.mixes import mix_json_schema
     from calculet_load.schema.records import request_json_schema
     from calculet_load.schema.traces import AuditRow, DeviceRow, ServerEventRow, StepRow
@@ -34,6 +35,8 @@ def _schemas() -> dict[str, Any]:
     return {
         "manifest": manifest_json_schema,
         "mix": mix_json_schema,
+        "matrix": matrix_json_schema,
+        "golden": lambda: GoldenSet.model_json_schema(by_alias=True),
         "request": request_json_schema,
         "server_events": lambda: trace_schema(ServerEventRow),
         "steps": lambda: trace_schema(StepRow),

@@ -71,3 +71,112 @@ def test_importing_the_statistics_layer_imports_neither_locust_nor_gevent() -> N
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2]
     )
+
+
+PIPELINE_API = {
+    "analyze": ["OUTPUTS", "Analysis", "analyze", "write_outputs"],
+    "cells": [
+        "CELL_FIELDS",
+        "ERROR_GROUPS",
+        "METRICS",
+        "SUMMARY_PARTITIONS",
+        "CellData",
+        "CellKey",
+        "CellSummary",
+        "Metric",
+        "group_cells",
+        "summarize_cells",
+    ],
+    "cli": ["add_arguments", "analyze_run", "run"],
+    "comparisons": ["HANDLERS", "NO_BASELINE"],
+    "correctness": ["HANDLERS"],
+    "errors": ["AnalysisError", "ArtifactError", "ExitCode", "RulesError"],
+    "evaluate": ["HANDLERS", "Context", "evaluate"],
+    "evidence": ["Context", "Evidence", "build_evidence", "column_np", "sent_mask", "verdict_for"],
+    "infra": ["check_infrastructure"],
+    "join": ["JOIN_COLUMNS", "device_extremes", "join_run", "positions"],
+    "limits": ["HANDLERS"],
+    "load": [
+        "INDEX_SCHEMA",
+        "MANIFEST_SCHEMA",
+        "NETWORK_BREAKS_SCHEMA",
+        "TRACE_FILES",
+        "NetworkBreak",
+        "Progress",
+        "RunData",
+        "load_run",
+        "read_run_files",
+    ],
+    "quality": ["QUALITY_COLUMNS", "Partition", "QualityReport", "Reason", "apply_quality"],
+    "summary": ["SUMMARY_SCHEMA", "summary_table"],
+    "rules": [
+        "DEFAULT_RULES",
+        "RULES_SCHEMA",
+        "RULE_CLASS",
+        "AnalysisSettings",
+        "CapacityRule",
+        "CellSelector",
+        "DeviceLimitsRule",
+        "ErrorRateRule",
+        "GoldenRule",
+        "ImprovementSpec",
+        "InfrastructureRules",
+        "MaxCountRule",
+        "OptimizationRule",
+        "RegressionRule",
+        "RegressionSpec",
+        "Rule",
+        "RulesFile",
+        "SloRule",
+        "ThroughputGainRule",
+        "load_rules",
+        "parse_rules",
+        "rules_json_schema",
+    ],
+    "verdict": [
+        "VERDICT_SCHEMA",
+        "RuleClass",
+        "RuleVerdict",
+        "Status",
+        "clean",
+        "exit_code",
+        "render_summary",
+        "status_word",
+        "to_json",
+        "verdict_dict",
+    ],
+}
+
+
+def test_pipeline_public_names_are_pinned() -> None:
+    import importlib
+
+    for name, expected in PIPELINE_API.items():
+        module = importlib.import_module(f"analysis.{name}")
+        assert module.__all__ == expected, name
+        assert all(hasattr(module, n) for n in module.__all__), name
+
+
+def test_the_pipeline_imports_neither_locust_nor_gevent() -> None:
+    modules = ", ".join(f"analysis.{m}" for m in PIPELINE_API)
+    code = (
+        f"import sys, {modules}, calculet_load.selfwatch_limits\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('locust', 'gevent'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2]
+    )
+
+
+def test_the_cli_registration_stays_light() -> None:
+    """`calculet-load` imports every command's module to build its parser: the analyze
+    command must not pull numpy, pyarrow or scipy into the start-up of other commands."""
+    code = (
+        "import sys, analysis.cli\n"
+        "heavy = sorted(m for m in ('numpy', 'pyarrow', 'scipy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2]
+    )

@@ -1,0 +1,210 @@
+"""The analysis pipeline of one run (spec §15, from "join" on): load and join → quality
+→ cell summaries → rules → verdicts → `verdict.json`, `summary.parquet`, `summary.csv`.
+
+`analyze` never reads anything but files, and writes only its three outputs (into the
+run folder unless told otherwise). Artifact and rules errors raise `AnalysisError`
+subclasses carrying exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from analysis import compare, stats
+from analysis.cells import CellSummary
+from analysis.errors import ExitCode
+from analysis.evaluate import Context, evaluate
+from analysis.evidence import Evidence, build_evidence
+from analysis.load import load_run
+from analysis.rules import RulesFile, load_rules
+from analysis.summary import summary_table
+from analysis.verdict import (
+    VERDICT_SCHEMA,
+    RuleVerdict,
+    Status,
+    exit_code,
+    status_word,
+    to_json,
+    verdict_dict,
+)
+from calculet_load.sink import resolve_fs
+
+__all__ = ["OUTPUTS", "Analysis", "analyze", "write_outputs"]
+
+OUTPUTS = ("verdict.json", "summary.parquet", "summary.csv")
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    """The result of `analyze`: the verdict document, its exit code, the summary table."""
+
+    document: dict[str, Any]
+    exit_code: ExitCode
+    summary: pa.Table
+    verdicts: list[RuleVerdict]
+    candidate: Evidence
+    baseline: Evidence | None
+
+
+def _run_info(ev: Evidence) -> dict[str, Any]:
+    t = ev.table
+    joined = int(pc.sum(t.column("quality.server_trace_joined")).as_py() or 0)
+    manifest = ev.run.manifest or {}
+    return {
+        "uri": ev.run.uri,
+        "run_id": ev.run.run_id,
+        "purpose": manifest.get("purpose"),
+        "records": t.num_rows,
+        "joined": joined,
+        "index_status": (ev.run.index or {}).get("status"),
+        "notes": list(ev.run.notes),
+    }
+
+
+def _quality_info(ev: Evidence) -> dict[str, Any]:
+    q = ev.quality
+    return {
+        "records": q.records,
+        "sent": q.sent,
+        "successes": q.successes,
+        "by_reason": q.by_reason,
+        "by_partition": q.by_partition,
+        "selfwatch_samples": q.selfwatch_samples,
+        "workers_without_selfwatch": list(q.workers_without_selfwatch),
+        "thresholds": q.thresholds,
+    }
+
+
+def _cell_info(s: CellSummary) -> dict[str, Any]:
+    return {
+        "cell": s.key.label,
+        "partition": s.partition,
+        "records": s.records,
+        "ok": s.ok,
+        "errors": s.errors,
+        "error_rate": s.error_rate,
+        "errors_by_class": s.errors_by_class,
+        "cancelled": s.cancelled,
+        "dropped": s.dropped,
+        "cut_at_stop": s.cut_at_stop,
+        "excluded_by_reason": s.excluded_by_reason,
+        "steady_output_tokens_per_s": s.steady_output_tokens_per_s,
+        "steady_requests_per_s": s.steady_requests_per_s,
+        "p50_ms": {m: st.p50.value for m, st in s.metrics.items()},
+        "p99_ms": {m: st.p99.value for m, st in s.metrics.items()},
+    }
+
+
+def _methods(level: float) -> dict[str, Any]:
+    return {
+        "confidence_level": level,
+        "percentile": stats.PERCENTILE_METHOD,
+        "quantile_ci": stats.QUANTILE_CI_METHOD,
+        "mean_ci": stats.MEAN_CI_METHOD,
+        "spread_ci": stats.SPREAD_CI_METHOD,
+        "mad": stats.MAD_METHOD,
+        "throughput": stats.THROUGHPUT_METHOD,
+        "quantile_delta": compare.QUANTILE_DELTA_METHOD,
+        "mean_delta": compare.MEAN_DELTA_METHOD,
+        "decision_rule": compare.DECISION_RULE,
+    }
+
+
+def _document(
+    rules: RulesFile,
+    rules_source: str,
+    rules_text: str,
+    ctx: Context,
+    verdicts: list[RuleVerdict],
+    code: ExitCode,
+) -> dict[str, Any]:
+    counts = {s.value: sum(v.status is s for v in verdicts) for s in Status}
+    return {
+        "schema": VERDICT_SCHEMA,
+        "status": status_word(code),
+        "exit_code": int(code),
+        "run": _run_info(ctx.candidate),
+        "baseline": _run_info(ctx.baseline) if ctx.baseline is not None else None,
+        "rules": {
+            "file": rules_source,
+            "sha256": hashlib.sha256(rules_text.encode()).hexdigest(),
+            "schema": rules.schema_,
+            "fail_on_inconclusive": rules.analysis.fail_on_inconclusive,
+        },
+        "counts": counts,
+        "quality": _quality_info(ctx.candidate),
+        "baseline_quality": _quality_info(ctx.baseline) if ctx.baseline is not None else None,
+        "cells": [_cell_info(s) for s in ctx.candidate.summaries],
+        "verdicts": [verdict_dict(v) for v in verdicts],
+        "methods": _methods(rules.analysis.confidence_level),
+        "outputs": list(OUTPUTS),
+    }
+
+
+def analyze(
+    run: str,
+    *,
+    baseline: str | None = None,
+    rules_path: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Analysis:
+    """Analyse `run` (and compare it with `baseline`) under the rules file."""
+    rules, text = load_rules(rules_path)
+    settings = rules.analysis
+    say = progress or (lambda _m: None)
+
+    def evidence(uri: str, label: str) -> Evidence:
+        say(f"{label}: loading {uri}")
+        data = load_run(uri, progress=progress)
+        say(f"{label}: quality and cell summaries")
+        return build_evidence(
+            data,
+            level=settings.confidence_level,
+            trim_fraction=settings.steady_trim_fraction,
+            n_resamples=settings.bootstrap_resamples,
+            bootstrap_max_n=settings.bootstrap_max_n,
+            progress=progress,
+        )
+
+    cand = evidence(run, "candidate")
+    base = evidence(baseline, "baseline") if baseline is not None else None
+    ctx = Context(cand, base, settings)
+    say("evaluating the rules")
+    verdicts = evaluate(rules, ctx)
+    code = exit_code(verdicts, fail_on_inconclusive=settings.fail_on_inconclusive)
+    source = str(rules_path) if rules_path is not None else "configs/acceptance/default.yaml"
+    doc = _document(rules, source, text, ctx, verdicts, code)
+    return Analysis(doc, code, summary_table(cand.summaries), verdicts, cand, base)
+
+
+def write_outputs(result: Analysis, out_dir: str) -> list[str]:
+    """Write verdict.json, summary.parquet and summary.csv into `out_dir` (path or URI);
+    each is written to a temporary name and renamed, so a reader never sees half a file."""
+    fs, root = resolve_fs(out_dir)
+    fs.create_dir(root, recursive=True)
+    csv = pa.BufferOutputStream()
+    pacsv.write_csv(result.summary, csv)
+    parquet = pa.BufferOutputStream()
+    pq.write_table(result.summary, parquet)
+    payloads = {
+        "verdict.json": to_json(result.document).encode(),
+        "summary.parquet": parquet.getvalue().to_pybytes(),
+        "summary.csv": csv.getvalue().to_pybytes(),
+    }
+    written = []
+    for name, data in payloads.items():
+        path = f"{root.rstrip('/')}/{name}"
+        with fs.open_output_stream(path + ".tmp") as f:
+            f.write(data)
+        fs.move(path + ".tmp", path)
+        written.append(path)
+    return written

@@ -1,0 +1,113 @@
+"""One analysed run (the joined run folder, its quality table and its cell summaries),
+the context rule handlers read, and their small shared helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analysis.cells import CellData, CellKey, CellSummary, summarize_cells
+from analysis.load import RunData
+from analysis.quality import Partition, QualityReport, apply_quality
+from analysis.rules import RULE_CLASS, AnalysisSettings
+from analysis.stats import FloatArray
+from analysis.verdict import RuleClass, RuleVerdict, Status
+
+__all__ = ["Context", "Evidence", "build_evidence", "column_np", "sent_mask", "verdict_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    run: RunData
+    table: pa.Table  # joined records + quality columns
+    quality: QualityReport
+    summaries: list[CellSummary]
+    cells: list[CellData]
+
+    def values(
+        self, partition: str = Partition.MEASURED.value
+    ) -> dict[CellKey, dict[str, FloatArray]]:
+        """Metric values per cell of one partition (what comparisons read)."""
+        return {c.key: c.values for c in self.cells if c.partition == partition}
+
+    def cell_data(self, partition: str = Partition.MEASURED.value) -> dict[CellKey, CellData]:
+        return {c.key: c for c in self.cells if c.partition == partition}
+
+    def summary(
+        self, key: CellKey, partition: str = Partition.MEASURED.value
+    ) -> CellSummary | None:
+        for s in self.summaries:
+            if s.key == key and s.partition == partition:
+                return s
+        return None
+
+
+def build_evidence(
+    run: RunData,
+    *,
+    level: float = 0.95,
+    trim_fraction: float = 0.1,
+    n_resamples: int = 1000,
+    bootstrap_max_n: int = 2000,
+    progress: Callable[[str], None] | None = None,
+) -> Evidence:
+    """Quality partitions, then per-cell summaries, of a loaded (joined) run."""
+    table, report = apply_quality(run)
+    summaries, cells = summarize_cells(
+        table,
+        run.tokens,
+        level=level,
+        trim_fraction=trim_fraction,
+        client_offsets_ns=run.client_offsets_ns,
+        n_resamples=n_resamples,
+        bootstrap_max_n=bootstrap_max_n,
+        progress=progress,
+    )
+    return Evidence(run, table, report, summaries, cells)
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a rule handler reads: the candidate, the baseline if any, the settings."""
+
+    candidate: Evidence
+    baseline: Evidence | None
+    settings: AnalysisSettings
+
+
+def verdict_for(
+    rule: Any,
+    status: Status,
+    observed: Any,
+    threshold: Any,
+    n: int,
+    reason: str,
+    details: Sequence[dict[str, Any]] = (),
+    *,
+    suffix: str = "",
+) -> RuleVerdict:
+    return RuleVerdict(
+        rule=rule.id + suffix,
+        kind=rule.kind,
+        rule_class=RuleClass(RULE_CLASS[rule.kind]),
+        status=status,
+        observed=observed,
+        threshold=threshold,
+        n=n,
+        reason=reason,
+        details=tuple(details),
+    )
+
+
+def column_np(col: Any, fill: Any, dtype: Any = None) -> Any:
+    return np.asarray(pc.fill_null(col, fill).to_numpy(zero_copy_only=False), dtype=dtype)
+
+
+def sent_mask(t: pa.Table) -> Any:
+    part = column_np(t.column("quality.partition"), "", object)
+    return (part != Partition.DROPPED.value) & (part != Partition.CUT_AT_STOP.value)

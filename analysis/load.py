@@ -1,0 +1,363 @@
+"""Reading a run folder (DESIGN §3.4) into Arrow tables, then joining it (`analysis.join`).
+
+    <run>/client/<worker>/part-NNNNN.{requests,tokens,selfwatch}.parquet
+    <run>/client/index.json          the Locust master's index (optional: probes have none)
+    <run>/server/server_events.jsonl, steps.jsonl, device.jsonl   (optional)
+    <run>/server/clock.json          {"ntp_offset_ns": int}        (optional)
+    <run>/manifest.yaml, plan.json, network_breaks.json            (optional)
+
+The run folder may be a local path or a URI (pyarrow.fs). A file that exists but cannot
+be read — a corrupt Parquet part, a trace line that is not JSON, a part the index lists
+but the folder lacks, a newer schema — raises `ArtifactError` naming the file (exit 2).
+A missing optional file is not an error: what depends on it is reported as "no data".
+
+Reading is columnar (Parquet and pyarrow's JSON reader); nothing loops over rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from analysis.errors import ArtifactError
+from calculet_load.runfolder import part_files
+from calculet_load.schema.arrow import (
+    SELFWATCH_SCHEMA,
+    check_table_schema,
+    request_schema,
+    selfwatch_schema,
+    token_event_schema,
+)
+from calculet_load.schema.records import (
+    REQUEST_SCHEMA,
+    TOKEN_EVENT_SCHEMA,
+    SchemaVersionError,
+    check_schema,
+)
+from calculet_load.sink import resolve_fs
+
+__all__ = [
+    "INDEX_SCHEMA",
+    "MANIFEST_SCHEMA",
+    "NETWORK_BREAKS_SCHEMA",
+    "TRACE_FILES",
+    "NetworkBreak",
+    "Progress",
+    "RunData",
+    "load_run",
+    "read_run_files",
+]
+
+INDEX_SCHEMA = "calculet-client-index/v1"
+MANIFEST_SCHEMA = "calculet-perf-run/v1"
+NETWORK_BREAKS_SCHEMA = "calculet-network-breaks/v1"
+
+TRACE_FILES = {
+    "server_events": "server/server_events.jsonl",
+    "steps": "server/steps.jsonl",
+    "device": "server/device.jsonl",
+}
+
+Progress = Callable[[str], None]
+
+# The trace columns the analysis reads (calculet_load/schema/traces.py declares them);
+# other fields (`detail`, chip units the analysis does not use) are skipped unread.
+_EVENT_COLUMNS = pa.schema(
+    [
+        ("wall_ns", pa.int64()),
+        ("mono_ns", pa.int64()),
+        ("event", pa.string()),
+        ("request_id", pa.string()),
+        ("job_id", pa.int64()),
+        ("step_index", pa.int64()),
+        ("kind", pa.string()),
+        ("generation", pa.int64()),
+    ]
+)
+_STEP_COLUMNS = pa.schema(
+    [
+        ("wall_ns", pa.int64()),
+        ("mono_ns", pa.int64()),
+        ("request_id", pa.string()),
+        ("job_id", pa.int64()),
+        ("kind", pa.string()),
+        ("step", pa.int64()),
+        ("queue_ms", pa.float64()),
+        ("h2d_ms", pa.float64()),
+        ("device_wait_ms", pa.float64()),
+        ("d2h_ms", pa.float64()),
+        ("sampling_ms", pa.float64()),
+    ]
+)
+_CHIP = pa.struct(
+    [
+        ("chip", pa.int64()),
+        ("temperature_c", pa.float64()),
+        ("power_w", pa.float64()),
+        ("frequency_mhz", pa.float64()),
+        ("throttled", pa.bool_()),
+    ]
+)
+_DEVICE_COLUMNS = pa.schema(
+    [
+        ("wall_ns", pa.int64()),
+        ("mono_ns", pa.int64()),
+        ("chips", pa.list_(_CHIP)),
+        ("pending_jobs", pa.int64()),
+        ("reset_count", pa.int64()),
+    ]
+)
+_TRACE_SCHEMAS = {
+    "server_events": _EVENT_COLUMNS,
+    "steps": _STEP_COLUMNS,
+    "device": _DEVICE_COLUMNS,
+}
+
+
+class NetworkBreak(BaseModel):
+    """A declared network break: requests overlapping it are excluded (spec §9)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    start_wall_ns: int
+    end_wall_ns: int
+    reason: str = Field(min_length=1)
+
+
+class _Breaks(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    schema_: str = Field(alias="schema")
+    breaks: list[NetworkBreak]
+
+
+@dataclass(slots=True)
+class RunData:
+    """Everything read from one run folder. `requests` has the record columns (Arrow
+    schema of calculet_load.schema) plus, after `load_run`, the columns of
+    `analysis.join.JOIN_COLUMNS`; a table absent from the folder is None."""
+
+    uri: str
+    requests: pa.Table
+    tokens: pa.Table
+    selfwatch: pa.Table
+    server_events: pa.Table | None = None
+    steps: pa.Table | None = None
+    device: pa.Table | None = None
+    index: dict[str, Any] | None = None
+    manifest: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    network_breaks: list[NetworkBreak] = field(default_factory=list)
+    client_offsets_ns: dict[str, int] = field(default_factory=dict)
+    server_offset_ns: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str | None:
+        ids = self.requests.column("run_id").unique().drop_null().to_pylist()
+        if len(ids) == 1:
+            return str(ids[0])
+        for source in (self.index, self.manifest):
+            if source and isinstance(source.get("run_id"), str):
+                return str(source["run_id"])
+        return None
+
+
+def _path(root: str, rel: str) -> str:
+    return f"{root.rstrip('/')}/{rel}"
+
+
+def _exists(fs: pafs.FileSystem, path: str) -> bool:
+    return bool(fs.get_file_info(path).type == pafs.FileType.File)
+
+
+def _read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    try:
+        with fs.open_input_stream(path) as f:
+            return bytes(f.read())
+    except (OSError, pa.ArrowException) as exc:
+        raise ArtifactError(f"{path}: cannot read: {exc}") from None
+
+
+def _read_parts(fs: pafs.FileSystem, paths: list[str], name: str, schema: pa.Schema) -> pa.Table:
+    tables = []
+    for path in paths:
+        try:
+            t = pq.read_table(path, filesystem=fs)
+        except (OSError, pa.ArrowException) as exc:
+            raise ArtifactError(f"{path}: unreadable Parquet part: {exc}") from None
+        try:
+            check_table_schema(t.schema, name)
+        except SchemaVersionError as exc:
+            raise ArtifactError(f"{path}: {exc}") from None
+        missing = [n for n in schema.names if n not in t.schema.names]
+        if missing:
+            raise ArtifactError(f"{path}: column {missing[0]!r} missing from a {name} part")
+        try:
+            tables.append(t.select(schema.names).cast(schema))
+        except (pa.ArrowException, ValueError) as exc:
+            raise ArtifactError(f"{path}: column types differ from {name}: {exc}") from None
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def _read_trace(fs: pafs.FileSystem, path: str, kind: str, notes: list[str]) -> pa.Table:
+    schema = _TRACE_SCHEMAS[kind]
+    opts = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    if fs.get_file_info(path).size == 0:
+        return schema.empty_table()
+    try:  # the common case, streamed: no copy of the file in memory
+        with fs.open_input_stream(path) as f:
+            return pajson.read_json(f, parse_options=opts).select(schema.names)
+    except pa.ArrowInvalid:
+        pass
+    data = _read_bytes(fs, path)
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data) and data[cut:].strip():
+        # A server killed mid-write leaves a partial last line: the rows before it stand.
+        notes.append(f"{path}: a partial last line ({len(data) - cut} bytes) was ignored")
+    if not data[:cut].strip():
+        return schema.empty_table()
+    try:
+        table = pajson.read_json(pa.BufferReader(pa.py_buffer(data)[:cut]), parse_options=opts)
+    except pa.ArrowException as exc:
+        raise ArtifactError(f"{path}: not valid JSON lines of {kind}: {exc}") from None
+    return table.select(schema.names)
+
+
+def _read_json(fs: pafs.FileSystem, path: str) -> Any:
+    try:
+        return json.loads(_read_bytes(fs, path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: invalid JSON: {exc}") from None
+
+
+def _check_versioned(doc: Any, path: str, expected: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise ArtifactError(f"{path}: top level must be a mapping")
+    try:
+        check_schema(doc.get("schema"), expected)
+    except SchemaVersionError as exc:
+        raise ArtifactError(f"{path}: {exc}") from None
+    return doc
+
+
+def _read_index(fs: pafs.FileSystem, root: str) -> dict[str, Any] | None:
+    path = _path(root, "client/index.json")
+    if not _exists(fs, path):
+        return None
+    index = _check_versioned(_read_json(fs, path), path, INDEX_SCHEMA)
+    for w in index.get("workers") or []:
+        name = w.get("worker") if isinstance(w, dict) else None
+        for part in (w.get("parts") or []) if name else []:
+            if not _exists(fs, _path(root, f"client/{name}/{part}")):
+                raise ArtifactError(
+                    f"{_path(root, f'client/{name}/{part}')}: listed in client/index.json "
+                    "but missing from the run folder"
+                )
+    return index
+
+
+def _read_breaks(fs: pafs.FileSystem, root: str) -> list[NetworkBreak]:
+    path = _path(root, "network_breaks.json")
+    if not _exists(fs, path):
+        return []
+    doc = _check_versioned(_read_json(fs, path), path, NETWORK_BREAKS_SCHEMA)
+    try:
+        return _Breaks.model_validate(doc).breaks
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ArtifactError(f"{path}: {where}: {err['msg']}") from None
+
+
+def _offsets(index: dict[str, Any] | None, fs: pafs.FileSystem, root: str) -> tuple[Any, int]:
+    """Host clock offsets (wall − reference, ns) where the run recorded them."""
+    client: dict[str, int] = {}
+    for w in (index or {}).get("workers") or []:
+        if isinstance(w, dict) and isinstance(w.get("ntp_offset_ns"), int):
+            client[str(w.get("worker"))] = int(w["ntp_offset_ns"])
+    server = 0
+    path = _path(root, "server/clock.json")
+    if _exists(fs, path):
+        doc = _read_json(fs, path)
+        value = doc.get("ntp_offset_ns") if isinstance(doc, dict) else None
+        if not isinstance(value, int):
+            raise ArtifactError(f"{path}: ntp_offset_ns: expected an integer (ns)")
+        server = value
+    return client, server
+
+
+def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
+    """Read every file of the run folder, unjoined. Raises ArtifactError (exit 2)."""
+    say = progress or (lambda _msg: None)
+    fs, root = resolve_fs(uri)
+    info = fs.get_file_info(root)
+    if info.type != pafs.FileType.Directory:
+        raise ArtifactError(f"{uri}: not a run folder (no such directory)")
+    notes: list[str] = []
+    index = _read_index(fs, root)
+    tables: dict[str, pa.Table] = {}
+    for table, name, schema in (
+        ("requests", REQUEST_SCHEMA, request_schema()),
+        ("tokens", TOKEN_EVENT_SCHEMA, token_event_schema()),
+        ("selfwatch", SELFWATCH_SCHEMA, selfwatch_schema()),
+    ):
+        paths = part_files(uri, table)
+        say(f"reading {len(paths)} {table} part(s)")
+        tables[table] = _read_parts(fs, paths, name, schema)
+    if tables["requests"].num_rows == 0:
+        raise ArtifactError(f"{uri}: no request records under client/")
+    traces: dict[str, pa.Table | None] = {}
+    for kind, rel in TRACE_FILES.items():
+        path = _path(root, rel)
+        if _exists(fs, path):
+            say(f"reading {rel}")
+            traces[kind] = _read_trace(fs, path, kind, notes)
+        else:
+            traces[kind] = None
+    manifest = None
+    mpath = _path(root, "manifest.yaml")
+    if _exists(fs, mpath):
+        try:
+            doc = yaml.safe_load(_read_bytes(fs, mpath))
+        except yaml.YAMLError:
+            raise ArtifactError(f"{mpath}: invalid YAML") from None
+        manifest = _check_versioned(doc, mpath, MANIFEST_SCHEMA)
+    ppath = _path(root, "plan.json")
+    plan = _read_json(fs, ppath) if _exists(fs, ppath) else None
+    client_offsets, server_offset = _offsets(index, fs, root)
+    return RunData(
+        uri=uri,
+        requests=tables["requests"],
+        tokens=tables["tokens"],
+        selfwatch=tables["selfwatch"],
+        server_events=traces["server_events"],
+        steps=traces["steps"],
+        device=traces["device"],
+        index=index,
+        manifest=manifest,
+        plan=plan if isinstance(plan, dict) else None,
+        network_breaks=_read_breaks(fs, root),
+        client_offsets_ns=client_offsets,
+        server_offset_ns=server_offset,
+        notes=notes,
+    )
+
+
+def load_run(uri: str, *, progress: Progress | None = None) -> RunData:
+    """Read the run folder and join it: server breakdown per request, device as-of."""
+    from analysis.join import join_run
+
+    run = read_run_files(uri, progress=progress)
+    if progress is not None:
+        progress(f"joining {run.requests.num_rows} records with the server traces")
+    return join_run(run)

@@ -1,0 +1,200 @@
+"""Verdicts (STYLE 7), the exit code (spec §15), `verdict.json` and the console summary.
+
+Each verdict says which rule, what was observed, what was allowed, on how many values,
+the status (pass | fail | inconclusive | not_evaluated) and a reason that says what was
+seen and what to do next. "No data" is `not_evaluated`, never `pass`.
+
+Exit code, most fundamental first: 2 (artifact or config invalid: raised before any
+verdict), then 3 (an infrastructure verdict failed: the measurement is not valid,
+rerun), then 1 (a correctness/reliability rule failed), then 4 (a performance rule
+failed), else 0. So a run with both a correctness failure and a regression exits 1.
+Inconclusive and not-evaluated verdicts do not change it unless the rules file says
+`fail_on_inconclusive: true` (then inconclusive counts as failed, for its class).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from analysis.errors import ExitCode
+
+__all__ = [
+    "VERDICT_SCHEMA",
+    "RuleClass",
+    "RuleVerdict",
+    "Status",
+    "clean",
+    "exit_code",
+    "render_summary",
+    "status_word",
+    "to_json",
+    "verdict_dict",
+]
+
+VERDICT_SCHEMA = "calculet-verdict/v1"
+
+
+class Status(StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+    NOT_EVALUATED = "not_evaluated"
+
+
+class RuleClass(StrEnum):
+    CORRECTNESS = "correctness"
+    PERFORMANCE = "performance"
+    INFRASTRUCTURE = "infrastructure"
+
+
+_EXIT_BY_CLASS = {
+    RuleClass.INFRASTRUCTURE: ExitCode.INFRASTRUCTURE,
+    RuleClass.CORRECTNESS: ExitCode.CORRECTNESS,
+    RuleClass.PERFORMANCE: ExitCode.REGRESSION,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RuleVerdict:
+    """The outcome of one rule (or one infrastructure check) on the run."""
+
+    rule: str
+    kind: str
+    rule_class: RuleClass
+    status: Status
+    observed: float | int | str | None
+    threshold: float | int | str | None
+    n: int
+    reason: str
+    details: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+
+def _failing(v: RuleVerdict, fail_on_inconclusive: bool) -> bool:
+    if v.status is Status.FAIL:
+        return True
+    return fail_on_inconclusive and v.status is Status.INCONCLUSIVE
+
+
+def exit_code(verdicts: Sequence[RuleVerdict], *, fail_on_inconclusive: bool = False) -> ExitCode:
+    """Spec §15 from the verdicts: 3 before 1 before 4 (module docstring)."""
+    failed = {v.rule_class for v in verdicts if _failing(v, fail_on_inconclusive)}
+    for cls in (RuleClass.INFRASTRUCTURE, RuleClass.CORRECTNESS, RuleClass.PERFORMANCE):
+        if cls in failed:
+            return _EXIT_BY_CLASS[cls]
+    return ExitCode.PASS
+
+
+_STATUS_WORD = {
+    ExitCode.PASS: "pass",
+    ExitCode.CORRECTNESS: "correctness_fail",
+    ExitCode.INFRASTRUCTURE: "infrastructure_invalid",
+    ExitCode.REGRESSION: "performance_regression",
+    ExitCode.INVALID_ARTIFACT: "artifact_invalid",
+}
+
+
+def status_word(code: ExitCode) -> str:
+    return _STATUS_WORD[code]
+
+
+def clean(value: Any) -> Any:
+    """JSON-safe: NaN/±inf become null (no data), tuples lists, enums their value."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
+
+
+def verdict_dict(v: RuleVerdict) -> dict[str, Any]:
+    return {
+        "rule": v.rule,
+        "kind": v.kind,
+        "class": v.rule_class.value,
+        "status": v.status.value,
+        "observed": clean(v.observed),
+        "threshold": clean(v.threshold),
+        "n": v.n,
+        "reason": v.reason,
+        "details": clean(list(v.details)),
+    }
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    return json.dumps(clean(doc), indent=1, allow_nan=False, ensure_ascii=False) + "\n"
+
+
+_MARK = {
+    Status.PASS: "PASS",
+    Status.FAIL: "FAIL",
+    Status.INCONCLUSIVE: "INCONCLUSIVE",
+    Status.NOT_EVALUATED: "not evaluated",
+}
+
+
+def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
+    """The short human summary printed by `calculet-load analyze`."""
+    lines = []
+    head = f"analyze {doc['run']['uri']}"
+    if doc.get("baseline"):
+        head += f"  (baseline {doc['baseline']['uri']})"
+    lines.append(head)
+    q = doc["quality"]
+    parts = q["by_partition"]
+    excluded = {k: v for k, v in q["by_reason"].items() if v and k in _EXCLUDING_REASONS}
+    lines.append(
+        f"  records {q['records']}: measured {parts.get('measured', 0)}, "
+        f"throttled {parts.get('throttled', 0)}, warmup {parts.get('warmup', 0)}, "
+        f"excluded {parts.get('excluded', 0)}"
+        + (f" ({', '.join(f'{k} {v}' for k, v in excluded.items())})" if excluded else "")
+        + f"; dropped {parts.get('dropped', 0)}, cut at stop {parts.get('cut_at_stop', 0)}"
+    )
+    lines.append(f"  server traces joined to {doc['run']['joined']} records")
+    measured = [c for c in doc["cells"] if c["partition"] == "measured"]
+    for c in measured[:_MAX_CELLS]:
+        p50 = c["p50_ms"]
+        figures = ", ".join(
+            f"{m.removesuffix('_ms').upper()} p50 {p50[m]:.1f} ms"
+            for m in ("ttft_ms", "tpot_ms", "e2e_ms")
+            if p50.get(m) is not None
+        )
+        rate = c["steady_output_tokens_per_s"]
+        lines.append(
+            f"  cell {c['cell']}: {c['ok']} ok, {c['errors']} errors"
+            + (f"; {figures}" if figures else "")
+            + (f"; {rate:.1f} tokens/s" if rate is not None else "")
+        )
+    if len(measured) > _MAX_CELLS:
+        lines.append(f"  … {len(measured) - _MAX_CELLS} more cells in summary.csv")
+    for status in (Status.FAIL, Status.INCONCLUSIVE):
+        for v in doc["verdicts"]:
+            if v["status"] == status.value:
+                lines.append(f"  {_MARK[status]:<12} {v['rule']}: {v['reason']}")
+    for v in doc["verdicts"]:
+        if v["status"] == Status.PASS.value:
+            text = f"  {_MARK[Status.PASS]:<12} {v['rule']}: {v['reason']}"
+            lines.append(text if len(text) <= width else text[: width - 1] + "…")
+    skipped = [
+        f"{v['rule']} ({v['reason'].split(':')[0]})"
+        for v in doc["verdicts"]
+        if v["status"] == Status.NOT_EVALUATED.value
+    ]
+    if skipped:
+        lines.append(f"  not evaluated: {', '.join(skipped)}")
+    lines.append(
+        f"verdict: {doc['status']} (exit {doc['exit_code']}); written: {', '.join(doc['outputs'])}"
+    )
+    return "\n".join(lines)
+
+
+_MAX_CELLS = 8
+_EXCLUDING_REASONS = ("clock_incomplete", "network_break", "client_saturated")

@@ -1,0 +1,120 @@
+"""Pre-registered exclusions, counted with their reasons (analysis.quality)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from analysis.load import load_run
+from analysis.quality import apply_quality
+from calculet_load.selfwatch_limits import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
+from tests.analysis.runs import MS, WALL0, RunBuilder, request, selfwatch
+
+S = 1_000 * MS
+
+
+def _run(tmp_path: Path) -> str:
+    b = RunBuilder(tmp_path)
+    # self-watch of w00 every second; the 3 s sample (covering (2 s, 3 s]) saw 6 ms lag
+    b.watch += [selfwatch("w00", k * S, lag_ms=6.0 if k == 3 else 1.0) for k in (1, 2, 3, 4)]
+    # every request lasts 90.1 ms (TTFT 50 ms + 4 × 10 ms + 0.1 ms)
+    b.add(request("a", t0=1_200 * MS))  # inside (1 s, 2 s]: clean
+    b.add(request("b", t0=1_950 * MS))  # 1.95 → 2.0401 s reaches the lagging sample
+    b.add(request("c", t0=3_500 * MS))  # (3 s, 4 s]: clean
+    b.add(request("d", t0=2_500 * MS, error="http_5xx"))  # a failure is flagged too
+    b.add(request("e", t0=100 * MS, quality={"warmup": True}))
+    b.add(request("f", t0=3_600 * MS, error="dropped", ext={"dropped": True}))
+    b.add(request("g", t0=3_700 * MS, error="cancelled", ext={"cancelled_at": "run_stop"}))
+    b.add(request("h", t0=1_300 * MS, quality={"clock_complete": False}))
+    b.add(request("i", t0=5_200 * MS))  # inside the declared break
+    b.add(request("j", t0=3_650 * MS, quality={"throttled": True}))
+    b.add(request("k", t0=2_400 * MS, worker="w01"))  # w01 has no self-watch: not flagged
+    b.add(request("l", t0=3_800 * MS, error="cancelled", ext={"cancelled_at": "first_token"}))
+    run_dir = b.write()
+    breaks = {
+        "schema": "calculet-network-breaks/v1",
+        "breaks": [
+            {"start_wall_ns": WALL0 + 5_000 * MS, "end_wall_ns": WALL0 + 5_500 * MS, "reason": "x"}
+        ],
+    }
+    (tmp_path / "network_breaks.json").write_text(json.dumps(breaks))
+    return run_dir
+
+
+def test_every_record_gets_one_partition_and_every_reason_is_counted(tmp_path: Path) -> None:
+    table, q = apply_quality(load_run(_run(tmp_path)))
+    part = dict(
+        zip(
+            table.column("request_id").to_pylist(),
+            table.column("quality.partition").to_pylist(),
+            strict=True,
+        )
+    )
+    assert part == {
+        "a": "measured",
+        "b": "excluded",
+        "c": "measured",
+        "d": "excluded",
+        "e": "warmup",
+        "f": "dropped",
+        "g": "cut_at_stop",
+        "h": "excluded",
+        "i": "excluded",
+        "j": "throttled",
+        "k": "measured",
+        "l": "measured",
+    }
+    assert q.by_reason == {
+        "dropped": 1,
+        "cut_at_stop": 1,
+        "warmup": 1,
+        "clock_incomplete": 1,
+        "network_break": 1,
+        "client_saturated": 2,
+    }
+    assert q.by_partition == {
+        "measured": 4,
+        "excluded": 4,
+        "warmup": 1,
+        "dropped": 1,
+        "cut_at_stop": 1,
+        "throttled": 1,
+    }
+    assert (q.records, q.sent, q.successes) == (12, 11, 8)  # successes: a b c e h i j k
+    assert q.workers_without_selfwatch == ("w01",)
+    assert q.saturated == 2 and q.clock_incomplete_successes == 1
+    reasons = dict(
+        zip(
+            table.column("request_id").to_pylist(),
+            table.column("quality.reasons").to_pylist(),
+            strict=True,
+        )
+    )
+    assert reasons["b"] == "client_saturated"
+    assert reasons["a"] is None
+
+
+def test_cpu_saturation_uses_the_shared_limit(tmp_path: Path) -> None:
+    b = RunBuilder(tmp_path)
+    b.watch += [
+        selfwatch("w00", 1 * S, cpu=SATURATED_CPU_PERCENT + 1),
+        selfwatch("w00", 2 * S, cpu=SATURATED_CPU_PERCENT),  # at the limit: not saturated
+        selfwatch("w00", 3 * S, lag_ms=SATURATED_LAG_MS),  # at the limit: not saturated
+    ]
+    b.add(request("x", t0=500 * MS)).add(request("y", t0=1_500 * MS))
+    b.add(request("z", t0=2_500 * MS))
+    table, q = apply_quality(load_run(b.write()))
+    assert table.column("quality.client_saturated").to_pylist() == [True, False, False]
+    assert q.saturated == 1
+
+
+def test_a_record_with_several_reasons_is_counted_under_each(tmp_path: Path) -> None:
+    b = RunBuilder(tmp_path)
+    b.watch += [selfwatch("w00", S, lag_ms=50.0)]
+    b.add(request("x", t0=500 * MS, quality={"warmup": True, "clock_complete": False}))
+    table, q = apply_quality(load_run(b.write()))
+    assert table.column("quality.partition").to_pylist() == ["warmup"]
+    assert table.column("quality.reasons").to_pylist() == [
+        "warmup;clock_incomplete;client_saturated"
+    ]
+    assert q.by_reason["warmup"] == q.by_reason["clock_incomplete"] == 1
