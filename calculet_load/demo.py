@@ -1,92 +1,130 @@
-"""`calculet-load demo`: start the embedded simulator and stream one request from it,
-printing each SSE event with the client's arrival time.
+"""`calculet-load demo`: a smoke acceptance run against the embedded simulator.
 
-This is the smallest end-to-end run: a real `calculet-sim` process on loopback, a real
-streaming request, the server's own trace files beside it.
+It starts `calculet-sim` on loopback (time-scaled, with its traces in the run folder and
+an admin token that lives only in this process's memory), writes a manifest for it, and
+runs the acceptance pipeline (`calculet-load accept`) with the small matrix
+`configs/matrices/smoke.yaml` and the golden set `configs/golden/sim.yaml`: release
+check, idle sampling, golden before, warmup, one cell of each load shape, golden after,
+resources, traces, analysis, the HTML report and the signed bundle. It ends by printing
+the report's path and exits with the run's exit code.
+
+`--broken nan` (or `crosstalk`, `leak`) starts the simulator with that behaviour broken:
+the run then ends in exit 1 and the report shows the counter-examples.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
+import os
+import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from calculet_load.sse import SSEParser
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+BROKEN = {
+    "nan": ["--set", "knobs.nan_probability=0.05"],
+    "crosstalk": ["--set", "knobs.crosstalk_probability=0.02"],
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where the run folder goes")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--time-scale", type=float, default=0.05, help="simulated time per second")
+    p.add_argument("--profile", default="b4", help="simulator profile (default b4)")
+    p.add_argument("--repetitions", type=int, default=30, help="requests per cell (spec §8: >= 30)")
+    p.add_argument("--broken", choices=sorted(BROKEN), help="break one simulator behaviour")
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="signing key (default: runs/demo-signing-key.pem, created on first use)",
+    )
 
 
-def _start_sim(trace_dir: Path, time_scale: float) -> tuple[subprocess.Popen[bytes], str, int]:
-    cmd = [sys.executable, "-m", "calculet_sim.cli", "--port", "0"]
-    cmd += ["--trace-dir", str(trace_dir), "--time-scale", str(time_scale)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+def _start_sim(args: argparse.Namespace, trace_dir: Path, calbin: str, token: str) -> Any:
+    cmd = [sys.executable, "-m", "calculet_sim.cli", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--trace-dir", str(trace_dir), "--time-scale", str(args.time_scale)]
+    cmd += ["--profile", args.profile, "--enable-faults"]
+    cmd += ["--set", f"versions.calbin_sha256={calbin}"]
+    cmd += BROKEN.get(args.broken or "", [])
+    env = dict(os.environ, CALCULET_SIM_ADMIN_TOKEN=token)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], 30)
     line = proc.stdout.readline().decode() if ready else ""
     if "listening on http://" not in line:
         proc.kill()
         raise SystemExit("calculet-load demo: the simulator did not start")
-    host, port = line.strip().rsplit("http://", 1)[1].rsplit(":", 1)
-    return proc, host, int(port)
+    return proc, line.strip().rsplit(" ", 1)[1]
 
 
 def run(args: argparse.Namespace) -> int:
-    run_id = datetime.now(UTC).strftime("demo-%Y%m%dT%H%M%SZ")
+    from calculet_load.pipeline import Options, Pipeline, Stop
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    run_id = f"demo-{stamp}" + (f"-broken-{args.broken}" if args.broken else "")
     run_dir = args.runs_dir / run_id
-    trace_dir = run_dir / "server"
-    proc, host, port = _start_sim(trace_dir, args.time_scale)
-    print(f"simulator: http://{host}:{port} (traces in {trace_dir})")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = yaml.safe_load((REPO / "configs" / "manifest.sim.yaml").read_text())
+    token = secrets.token_hex(16)  # never written anywhere
+    # The simulator's own trace folder; the pipeline copies the traces into the run
+    # folder's server/ through the target's /traces API, as it would from a remote host.
+    sim_traces = args.runs_dir / f".{run_id}.sim-traces"
+    proc, url = _start_sim(args, sim_traces, manifest["model"]["calbin_sha256"], token)
+    print(f"simulator: {url} (profile {args.profile}, time scale {args.time_scale})")
+    manifest.update(run_id=run_id, purpose="calculet-load demo: smoke acceptance")
+    manifest["matrix"] = str(REPO / "configs" / "matrices" / "smoke.yaml")
+    manifest["target"] = {"url": url, "protocol": "llama"}
+    manifest_path = args.runs_dir / f".{run_id}.manifest.yaml"
+    manifest_path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    key = args.key or args.runs_dir / "demo-signing-key.pem"
+    if not key.exists():
+        from analysis.sign import generate_keypair
+
+        generate_keypair(str(key))
+        print(f"signing key: created {key} (public key {key}.pub)")
+    os.environ.setdefault("CALCULET_SIGNING_KEY_FILE", str(key))
+    opts = Options(
+        manifest=str(manifest_path),
+        matrix=manifest["matrix"],
+        golden=str(REPO / "configs" / "golden" / "sim.yaml"),
+        run_dir=str(run_dir),
+        admin_token=token,
+        idle_window_s=3.0,
+        idle_timeout_s=120.0,
+        idle_gap_s=0.5,
+        min_repetitions=args.repetitions,
+    )
     try:
-        body = {
-            "prompt": list(range(300, 300 + args.prompt_tokens)),
-            "n_predict": args.output_tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "cache_prompt": False,
-        }
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        t0 = time.monotonic_ns()
-        conn.request(
-            "POST",
-            "/completion",
-            body=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "X-Request-Id": f"{run_id}-0001"},
-        )
-        resp = conn.getresponse()
-        t_headers = time.monotonic_ns()
-        print(f"HTTP {resp.status}, headers after {(t_headers - t0) / 1e6:.2f} ms")
-        parser = SSEParser()
-        t_first = None
-        tokens = 0
-        while chunk := resp.read1(65536):
-            t = time.monotonic_ns()
-            for ev in parser.feed(chunk):
-                obj = json.loads(ev.data)
-                new = obj.get("tokens_predicted", tokens) - tokens
-                tokens += new
-                if new and t_first is None:
-                    t_first = t
-                shown = {k: obj[k] for k in ("tokens", "tokens_predicted", "stop") if k in obj}
-                print(f"  +{(t - t0) / 1e6:8.2f} ms  {shown}")
-        conn.close()
-        t_end = time.monotonic_ns()
-        ttft = f"{(t_first - t0) / 1e6:.2f} ms" if t_first else "n/a"
-        print(f"TTFT {ttft}, {tokens} tokens, E2E {(t_end - t0) / 1e6:.2f} ms")
+        pipeline = Pipeline(opts)
+        code = pipeline.run()
+    except Stop as stop:
+        print(f"demo: {stop}", file=sys.stderr)
+        code = stop.code
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-    files = sorted(p.name for p in trace_dir.glob("*.jsonl"))
-    print(f"server traces: {', '.join(files)}")
-    return 0
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        manifest_path.unlink(missing_ok=True)
+        shutil.rmtree(sim_traces, ignore_errors=True)
+    for note in getattr(locals().get("pipeline"), "notes", []):
+        print(f"note: {note}")
+    report = run_dir / "report.html"
+    meaning = {0: "pass", 1: "correctness/reliability fail", 2: "artifact/config invalid",
+               3: "infrastructure invalid", 4: "performance regression"}  # fmt: skip
+    print(f"\nrun folder: {run_dir}")
+    if report.exists():
+        print(f"report:     {report.resolve()}")
+    print(f"verify:     .venv/bin/calculet-load verify {run_dir} --pubkey {key}.pub")
+    print(f"exit {code}: {meaning.get(code, 'unknown')}")
+    return code

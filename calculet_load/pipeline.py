@@ -518,6 +518,7 @@ class Pipeline:
 
     def _collect_traces(self) -> None:
         self.log.write("traces", "start")
+        gevent.sleep(1.0)  # the target flushes its trace files periodically
         out = self.run_dir / "server"
         out.mkdir(exist_ok=True)
         got: dict[str, Any] = {}
