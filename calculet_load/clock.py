@@ -255,3 +255,21 @@ def query_ntp_offset(run: Runner = subprocess.run, timeout_s: float = 2.0) -> Nt
         except ValueError as exc:
             failures.append(f"{command}: unreadable output: {exc}")
     return NtpStatus("none", None, None, "; ".join(failures))
+
+
+def clock_provenance() -> dict[str, object]:
+    """This host's NTP offset (as its daemon reports it) and a monotonic/wall anchor pair:
+    what lines one host's records up with another's. Written into `client/index.json`."""
+    ntp = query_ntp_offset()
+    anchor = ClockAnchor.take(SystemClock())
+    return {
+        "ntp_offset_ns": ntp.offset_ns,
+        "ntp_source": ntp.source,
+        "ntp_synchronized": ntp.synchronized,
+        "ntp_detail": ntp.detail,
+        "clock_anchor": {
+            "mono_ns": anchor.mono_ns,
+            "wall_ns": anchor.wall_ns,
+            "uncertainty_ns": anchor.uncertainty_ns,
+        },
+    }

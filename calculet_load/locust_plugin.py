@@ -51,6 +51,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from calculet_load.arrivals import ArrivalError, RateClock, Schedule, load_replay, unit_gaps
 from calculet_load.client import Outcome, Timeouts
+from calculet_load.clock import clock_provenance
 from calculet_load.events import events as cl_events
 from calculet_load.livestats import LiveStats
 from calculet_load.mixes import Mix, MixChooser, MixError, load_mix, single
@@ -465,6 +466,7 @@ class Worker:
             "dropped": self.stats.counters["dropped"],
             "late": self.stats.counters["late"],
             "cut_at_stop": self.abandoned,
+            **clock_provenance(),
             "bursts": self.bursts,
             "sink": dataclasses.asdict(self.sink.stats),
         }

@@ -29,6 +29,7 @@ import importlib
 import json
 import os
 import random
+import socket
 import sys
 import time
 import urllib.error
@@ -42,6 +43,7 @@ import gevent.pool
 
 from calculet_load.arrivals import RateClock, Schedule
 from calculet_load.client import Timeouts, run_in_greenlet
+from calculet_load.clock import clock_provenance
 from calculet_load.matrix import Cell, GoldenSet, Matrix, MatrixError, load_golden, load_matrix
 from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
@@ -405,11 +407,24 @@ class Pipeline:
                 **kw,
             )
 
+        # Every prompt the cell will use, built before its first request: a /tokenize
+        # round trip inside the schedule would make the arrivals after it late.
+        count = cell.rounds * cell.size if cell.kind == "burst" else reps
+        for k in range(count):
+            entry, sample = chooser.entry_for(k)
+            self._prompt(entry.prompt_tokens, sample)
         if cell.kind in ("single", "boundary"):
             for k in range(reps):
                 s = spec(k, concurrency=1, arrival="single")
                 run_in_greenlet(functools.partial(self.session.send, s))
             return reps
+        # Concurrent shapes: every prompt is built before the first send. Tokenizing
+        # runs on a thread; meanwhile it holds the GIL from the loop, which would delay
+        # the sends and stamps of the requests in flight (seen as send lag).
+        arrivals = cell.rounds * cell.size if cell.kind == "burst" else reps
+        for entry in mix.entries:
+            for sample in range(min(entry.samples, arrivals)):
+                self._prompt(entry.prompt_tokens, sample)
         if cell.kind == "closed":
             return run_in_greenlet(lambda: self._closed(cell, reps, spec))
         if cell.kind == "open":
@@ -439,12 +454,12 @@ class Pipeline:
             t = clock.time_of(unit)
             assert t is not None
             due = origin + t
+            s = spec(k, arrival=cell.arrival, intended_start_ns=due, late_after_ms=5.0)
             remaining = (due - time.monotonic_ns()) / 1e9
             if remaining > TIMER_SLACK_S:
                 gevent.sleep(remaining - TIMER_SLACK_S)
             while time.monotonic_ns() < due:
                 gevent.sleep(0)
-            s = spec(k, arrival=cell.arrival, intended_start_ns=due, late_after_ms=5.0)
             if pool.full():
                 self.session.record_dropped(s, f"in-flight cap {cell.max_in_flight} full")
             else:
@@ -505,6 +520,7 @@ class Pipeline:
 
     # --------------------------------------------------------------- 8-11
     def _finish(self) -> None:
+        self._write_index()
         self._collect_traces()
         self.log.write("analysis", "start")
         code = self._analyze()
@@ -515,6 +531,27 @@ class Pipeline:
             self._report()
         self.log.write("run", "end", code=self.code)
         self._sign()
+
+    def _write_index(self) -> None:
+        """`client/index.json`: this process as the run's one worker, with its clock."""
+        parts = sorted(
+            f"{p.parent.name}/{p.name}" for p in (self.run_dir / "client").glob("*/part-*.parquet")
+        )
+        index = {
+            "schema": "calculet-client-index/v1",
+            "run_id": self.manifest.run_id,
+            "status": "complete",
+            "source": "calculet-load accept",
+            "target": self.url,
+            "workers": [
+                {"worker": w, "host": socket.gethostname(), "pid": os.getpid(),
+                 "status": "reported",
+                 "parts": [p.split("/", 1)[1] for p in parts if p.startswith(w + "/")],
+                 **clock_provenance()}
+                for w in sorted({p.split("/")[0] for p in parts})
+            ],
+        }  # fmt: skip
+        (self.run_dir / "client" / "index.json").write_text(json.dumps(index, indent=1))
 
     def _collect_traces(self) -> None:
         self.log.write("traces", "start")
