@@ -47,7 +47,13 @@ def test_open_loop_poisson_across_two_workers(
 ) -> None:
     rate, run_s, delay = 40.0, 24.0, 2.0
     # fast enough that the mix (with 16K prompts) never fills the sim's admission queue
-    sim = start_sim("--profile", "b16", "--time-scale", "0.005")
+    # and a queue that waits rather than rejects: on a busy machine the sim may fall
+    # behind, which must not turn into failures (this test is about the arrivals)
+    sim = start_sim(
+        *("--profile", "b16", "--time-scale", "0.005"),
+        *("--set", "scheduling.queue_max=100000", "--set", "scheduling.admission_timeout_s=1e9"),
+        *("--set", "scheduling.kv_budget_tokens=100000000"),
+    )
     run = locust_run(
         sim.url,
         "--arrival", "poisson", "--rate", str(rate), "--seed", "7",
