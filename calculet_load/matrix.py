@@ -25,8 +25,9 @@ import itertools
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from calculet_load.configfile import read_yaml, validate
 
 MATRIX_SCHEMA = "calculet-matrix/v1"
 SHORT_PROMPT = 512  # a cell is "short" (spec §8: 100 repetitions) at or below these sizes
@@ -125,25 +126,11 @@ def _name(c: Cell) -> str:
 def parse_matrix(data: Any, source: str) -> Matrix:
     if not isinstance(data, dict):
         raise MatrixError(f"{source}: top level must be a mapping")
-    try:
-        return Matrix.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise MatrixError(f"{source}: {path}: {err['msg']}") from None
+    return validate(Matrix, data, source, MatrixError)
 
 
 def load_matrix(path: str | Path) -> Matrix:
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise MatrixError(f"{p}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise MatrixError(f"{p}:{where} invalid YAML") from None
-    return parse_matrix(data, str(p))
+    return parse_matrix(read_yaml(path, MatrixError), str(path))
 
 
 def matrix_json_schema() -> dict[str, Any]:
@@ -172,15 +159,4 @@ class GoldenSet(BaseModel):
 
 
 def load_golden(path: str | Path) -> GoldenSet:
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-        return GoldenSet.model_validate(data)
-    except OSError as exc:
-        raise MatrixError(f"{p}: {exc.strerror}") from None
-    except yaml.YAMLError:
-        raise MatrixError(f"{p}: invalid YAML") from None
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        path = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        raise MatrixError(f"{p}: {path}: {err['msg']}") from None
+    return validate(GoldenSet, read_yaml(path, MatrixError), str(path), MatrixError)

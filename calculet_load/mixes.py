@@ -23,8 +23,9 @@ import itertools
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from calculet_load.configfile import read_yaml, validate
 
 MIX_SCHEMA = "calculet-mix/v1"
 MIX_DIR = Path(__file__).resolve().parent.parent / "configs" / "mixes"
@@ -106,12 +107,7 @@ def single(prompt_tokens: int, max_tokens: int, *, stream: bool = True) -> Mix:
 
 
 def parse_mix(data: Any, source: str) -> Mix:
-    try:
-        return Mix.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise MixError(f"{source}: {path}: {err['msg']}") from None
+    return validate(Mix, data, source, MixError)
 
 
 def load_mix(name_or_path: str) -> Mix:
@@ -123,13 +119,7 @@ def load_mix(name_or_path: str) -> Mix:
             known = sorted(f.stem for f in MIX_DIR.glob("*.yaml"))
             raise MixError(f"mix: {name_or_path!r} is neither a file nor one of {known}")
         p = candidate
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise MixError(f"{p}:{where} invalid YAML") from None
-    return parse_mix(data, str(p))
+    return parse_mix(read_yaml(p, MixError), str(p))
 
 
 def mix_json_schema() -> dict[str, Any]:

@@ -10,8 +10,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from calculet_load.configfile import read_yaml, validate
 
 MANIFEST_SCHEMA = "calculet-perf-run/v1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -92,15 +93,7 @@ def parse_manifest(data: Any, source: str = "manifest") -> RunManifest:
     placeholder = _find_placeholder(data, ())
     if placeholder is not None:
         raise ManifestError(f"{source}: {placeholder}: REQUIRED field not filled in")
-    try:
-        return RunManifest.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "missing":
-            msg = "REQUIRED field missing"
-        raise ManifestError(f"{source}: {path}: {msg}") from None
+    return validate(RunManifest, data, source, ManifestError)
 
 
 def _find_placeholder(node: Any, path: tuple[str, ...]) -> str | None:
@@ -116,16 +109,7 @@ def _find_placeholder(node: Any, path: tuple[str, ...]) -> str | None:
 
 
 def load_manifest(path: str | Path) -> RunManifest:
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ManifestError(f"{p}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ManifestError(f"{p}:{where} invalid YAML") from None
-    return parse_manifest(data, str(p))
+    return parse_manifest(read_yaml(path, ManifestError), str(path))
 
 
 def manifest_json_schema() -> dict[str, Any]:
