@@ -5,9 +5,10 @@ Never imports Locust or gevent, and reads files only (DESIGN §1). The statistic
 out. The pipeline of `calculet-load analyze` (docs/analysis.md), in data-flow order:
 `load` (files → Arrow) → `join` (server traces, device rows) → `quality` (exclusions,
 partitions) → `cells` and `summary` (per-cell statistics) → `rules` (the rules file) →
-`evaluate` with `infra`, `correctness`, `comparisons`, `limits` (verdicts) → `verdict`
-(exit code, verdict.json) — orchestrated by `analyze`, fronted by `cli`. Import the
-submodules directly; this package imports nothing heavy.
+`evaluate` with `infra`, `correctness`, `comparisons`, `limits`, `capacity`, `batch`,
+`resources` (verdicts; and the §7/§14.3/§13 sections) → `verdict` (exit code,
+verdict.json) — orchestrated by `analyze`, fronted by `cli`; `legacy` imports the old
+CSV as a trend only. Import the submodules directly; this package imports nothing heavy.
 """
 
 __all__: list[str] = []

@@ -19,13 +19,14 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from analysis import compare, stats
+from analysis import batch, capacity, compare, resources, stats
 from analysis.cells import CellSummary
 from analysis.errors import ExitCode
 from analysis.evaluate import Context, evaluate
 from analysis.evidence import Evidence, build_evidence
+from analysis.legacy import check_not_legacy
 from analysis.load import load_run
-from analysis.rules import RulesFile, load_rules
+from analysis.rules import BatchRule, CapacityRule, LeakRule, RulesFile, load_rules
 from analysis.summary import summary_table
 from analysis.verdict import (
     VERDICT_SCHEMA,
@@ -119,6 +120,21 @@ def _methods(level: float) -> dict[str, Any]:
     }
 
 
+def _first(rules: RulesFile, kind: type[Any]) -> Any:
+    """The first enabled rule of a kind (its settings shape the section), else None."""
+    return next((r for r in rules.rules if isinstance(r, kind) and r.enabled), None)
+
+
+def _sections(rules: RulesFile, ctx: Context) -> dict[str, Any]:
+    """The batch (§7), capacity (§14.3) and leaks (§13) sections; null without data."""
+    cap = capacity.cached_capacity(ctx, _first(rules, CapacityRule))
+    return {
+        "batch": batch.batch_section(batch.cached_batch(ctx, _first(rules, BatchRule))),
+        "capacity": capacity.capacity_section(cap),
+        "leaks": resources.leak_section(ctx, _first(rules, LeakRule)),
+    }
+
+
 def _document(
     rules: RulesFile,
     rules_source: str,
@@ -144,6 +160,7 @@ def _document(
         "quality": _quality_info(ctx.candidate),
         "baseline_quality": _quality_info(ctx.baseline) if ctx.baseline is not None else None,
         "cells": [_cell_info(s) for s in ctx.candidate.summaries],
+        **_sections(rules, ctx),
         "verdicts": [verdict_dict(v) for v in verdicts],
         "methods": _methods(rules.analysis.confidence_level),
         "outputs": list(OUTPUTS),
@@ -159,6 +176,9 @@ def analyze(
 ) -> Analysis:
     """Analyse `run` (and compare it with `baseline`) under the rules file."""
     rules, text = load_rules(rules_path)
+    check_not_legacy(run, "run")
+    if baseline is not None:
+        check_not_legacy(baseline, "baseline")
     settings = rules.analysis
     say = progress or (lambda _m: None)
 

@@ -134,7 +134,9 @@ class CellSummary:
 
 
 def _np(col: Any, dtype: Any, fill: Any) -> npt.NDArray[Any]:
-    return np.asarray(pc.fill_null(col, fill).to_numpy(zero_copy_only=False), dtype=dtype)
+    if col.null_count:
+        col = pc.fill_null(col, fill)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=dtype)
 
 
 def _valid(col: Any) -> BoolArray:
@@ -218,25 +220,41 @@ class _Cells:
         return out
 
 
-def _itl(table: pa.Table, tokens: pa.Table) -> tuple[IntArray, FloatArray]:
+def _itl(
+    table: pa.Table, tokens: pa.Table, pos: IntArray | None = None
+) -> tuple[IntArray, FloatArray]:
     """(request row, ms) per generated token after the first, from token events.
 
     Each gap between consecutive token events of a request, divided by the tokens the
     later event carried, is repeated that many times: ITL is aggregated per token.
+    `pos` is each event's request row (`positions`), when the caller has it already.
     """
     if tokens.num_rows == 0:
         return np.empty(0, dtype=np.int64), np.empty(0)
-    pos = positions(tokens.column("request_id"), table.column("request_id"))
+    if pos is None:
+        pos = positions(tokens.column("request_id"), table.column("request_id"))
     count = _np(tokens.column("tokens"), np.int64, 0)
+    idx = _np(tokens.column("event_index"), np.int64, 0)
+    t = _np(tokens.column("arrival_ns"), np.int64, 0)
     keep = (pos >= 0) & (count > 0)
-    pos, count = pos[keep], count[keep]
-    idx = _np(tokens.column("event_index"), np.int64, 0)[keep]
-    t = _np(tokens.column("arrival_ns"), np.int64, 0)[keep]
-    order = np.lexsort((idx, pos))
-    pos, count, t = pos[order], count[order], t[order]
+    if not keep.all():
+        pos, count, idx, t = pos[keep], count[keep], idx[keep], t[keep]
+    del keep
+    # one int64 key (request row, event index): a part written request by request is
+    # already in order and is not sorted again; interleaved streams are, once
+    key = pos << 24
+    key |= np.minimum(idx, (1 << 24) - 1)
+    del idx
+    if key.size > 1 and not bool(np.all(key[1:] >= key[:-1])):
+        order = np.argsort(key, kind="stable")
+        pos, count, t = pos[order], count[order], t[order]
+        del order
+    del key
     same = pos[1:] == pos[:-1]
     gap_ms = (t[1:] - t[:-1])[same] / 1e6
     k = count[1:][same]
+    if bool(np.all(k == 1)):  # one token per event: nothing to repeat
+        return pos[1:][same], gap_ms
     return np.repeat(pos[1:][same], k), np.repeat(gap_ms / k, k)
 
 
@@ -268,19 +286,27 @@ class _Tokens:
     has_events: BoolArray
 
     @classmethod
-    def of(cls, table: pa.Table, tokens: pa.Table, cells: _Cells) -> _Tokens:
-        pos = positions(tokens.column("request_id"), table.column("request_id"))
+    def of(cls, table: pa.Table, tokens: pa.Table, cells: _Cells, pos: IntArray) -> _Tokens:
         keep = pos >= 0
-        pos = pos[keep]
-        start = _np(table.column("join.client_wall_start_ns"), np.int64, 0)
-        t0 = _np(table.column("client_ns.request_start"), np.int64, 0)
-        arrival = _np(tokens.column("arrival_ns"), np.int64, 0)[keep]
-        n_tok = _np(tokens.column("tokens"), np.float64, 0.0)[keep]
+        every = bool(keep.all())
+        if not every:
+            pos = pos[keep]
+        # wall = arrival + (wall start − t0) of its request: one gather, added in place
+        offset = _np(table.column("join.client_wall_start_ns"), np.int64, 0) - _np(
+            table.column("client_ns.request_start"), np.int64, 0
+        )
+        wall = np.array(_np(tokens.column("arrival_ns"), np.int64, 0), copy=True)
+        if not every:
+            wall = wall[keep]
+        wall += offset[pos]
+        n_tok = _np(tokens.column("tokens"), np.float32, 0.0)
+        if not every:
+            n_tok = n_tok[keep]
         has = np.zeros(table.num_rows, dtype=bool)
         has[pos] = True
         n_groups = len(cells.keys) * len(cells.partitions)
-        g = np.where(cells.ok[pos] & (cells.group[pos] >= 0), cells.group[pos], n_groups)
-        return cls(start[pos] + (arrival - t0[pos]), n_tok, _Split.of(g, n_groups), has)
+        group = np.where(cells.ok & (cells.group >= 0), cells.group, n_groups)
+        return cls(wall, n_tok, _Split.of(group[pos], n_groups), has)
 
 
 def _throughput(
@@ -325,8 +351,10 @@ def group_cells(
     return _group(table, tokens, _Cells.of(table, partitions))
 
 
-def _group(table: pa.Table, tokens: pa.Table, cells: _Cells) -> list[CellData]:
-    itl_pos, itl_ms = _itl(table, tokens)
+def _group(
+    table: pa.Table, tokens: pa.Table, cells: _Cells, pos: IntArray | None = None
+) -> list[CellData]:
+    itl_pos, itl_ms = _itl(table, tokens, pos)
     n_groups = len(cells.keys) * len(cells.partitions)
     itl_g = np.where(
         cells.ok[itl_pos] & (cells.group[itl_pos] >= 0), cells.group[itl_pos], n_groups
@@ -364,8 +392,10 @@ def summarize_cells(
     """Summaries of every cell and SUMMARY_PARTITIONS present, and their values."""
     table = _with_client_wall(table, client_offsets_ns or {})
     cells = _Cells.of(table, tuple(p.value for p in SUMMARY_PARTITIONS))
-    data = _group(table, tokens, cells)
-    tok = _Tokens.of(table, tokens, cells)
+    pos = positions(tokens.column("request_id"), table.column("request_id"))
+    data = _group(table, tokens, cells, pos)
+    tok = _Tokens.of(table, tokens, cells, pos)
+    del pos
     part = _np(table.column("quality.partition"), object, "")
     err = _np(table.column("ext.error_class"), object, "")
     cut_at = _np(table.column("ext.cancelled_at"), object, "")

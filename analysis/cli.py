@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["add_arguments", "analyze_run", "run"]
+__all__ = ["add_arguments", "add_import_legacy", "analyze_run", "run", "run_import_legacy"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,3 +92,27 @@ def run(args: argparse.Namespace) -> int:
         progress=args.progress,
         quiet=args.quiet,
     )
+
+
+def add_import_legacy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("csv", help="the old benchmark CSV (spec §1)")
+    p.add_argument("--out", required=True, help="a new folder for the trend-only import")
+    p.add_argument("--run-id", help="the import's id (default: legacy-<csv name>)")
+
+
+def run_import_legacy(args: argparse.Namespace) -> int:
+    """`calculet-load import-legacy CSV --out DIR`: 0 when imported, 2 when the CSV or
+    the folder is unusable (one line on stderr)."""
+    from analysis.errors import AnalysisError
+    from analysis.legacy import import_legacy
+
+    try:
+        done = import_legacy(args.csv, args.out, run_id=args.run_id)
+    except AnalysisError as exc:
+        print(f"import-legacy: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    print(f"imported {done.rows} legacy rows into {done.out} (trend reference only)")
+    for note in done.notes:
+        print(f"  note: {note}")
+    print("  not authoritative: analyze refuses it as a run or a --baseline")
+    return 0

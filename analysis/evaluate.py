@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from analysis import comparisons, correctness, limits
+from analysis import batch, capacity, comparisons, correctness, limits, resources
 from analysis.evidence import Context, verdict_for
 from analysis.infra import check_infrastructure
 from analysis.rules import RULE_CLASS, RulesFile
@@ -19,6 +19,9 @@ HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {
     **correctness.HANDLERS,
     **comparisons.HANDLERS,
     **limits.HANDLERS,
+    **capacity.HANDLERS,
+    **batch.HANDLERS,
+    **resources.HANDLERS,
 }
 assert set(HANDLERS) == set(RULE_CLASS), "every rule kind has exactly one handler"
 

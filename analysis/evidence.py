@@ -4,7 +4,7 @@ the context rule handlers read, and their small shared helpers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -73,11 +73,13 @@ def build_evidence(
 
 @dataclass(frozen=True, slots=True)
 class Context:
-    """What a rule handler reads: the candidate, the baseline if any, the settings."""
+    """What a rule handler reads: the candidate, the baseline if any, the settings; and a
+    cache where an analysis a section and a rule both need is computed once."""
 
     candidate: Evidence
     baseline: Evidence | None
     settings: AnalysisSettings
+    cache: dict[Any, Any] = field(default_factory=dict)
 
 
 def verdict_for(

@@ -72,7 +72,28 @@ BoolArray = npt.NDArray[np.bool_]
 
 
 def positions(ids: Any, request_ids: Any) -> IntArray:
-    """Row of `request_ids` each of `ids` refers to; −1 where none (vectorized)."""
+    """Row of `request_ids` each of `ids` refers to; −1 where none (vectorized).
+
+    Dictionary-encoded ids (token events and Parquet traces are read that way: tens of
+    millions of rows naming a million requests) are looked up once per distinct id."""
+    if pa.types.is_dictionary(ids.type):
+        chunks = ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]
+        parts: list[IntArray] = []
+        seen: tuple[Any, IntArray] | None = None
+        for chunk in chunks:
+            d = chunk.dictionary
+            if seen is None or not seen[0].equals(d):  # a part's row groups share one
+                # hash the (smaller) dictionary and probe the requests with it
+                at = pc.index_in(request_ids, value_set=d)
+                rows = np.flatnonzero(np.asarray(pc.is_valid(at), dtype=bool))
+                lookup = np.full(len(d) + 1, -1, dtype=np.int64)  # [-1]: a null id
+                lookup[np.asarray(pc.take(at, pa.array(rows)), dtype=np.int64)] = rows
+                seen = (d, lookup)
+            idx = chunk.indices
+            if idx.null_count:
+                idx = pc.fill_null(idx, -1)
+            parts.append(seen[1][np.asarray(idx, dtype=np.int64)])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     idx = pc.index_in(ids, value_set=request_ids)
     return np.asarray(pc.fill_null(idx, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
 
@@ -167,7 +188,7 @@ def _steps(run: RunData, n: int, out: dict[str, Any], joined: BoolArray) -> None
     if st is None or st.num_rows == 0:
         return
     pos = positions(st.column("request_id"), run.requests.column("request_id"))
-    kind = np.asarray(st.column("kind").fill_null("").to_numpy(zero_copy_only=False))
+    kind = st.column("kind")
     ok = pos >= 0
 
     def total(column: str, rows: BoolArray) -> FloatArray:
@@ -180,7 +201,7 @@ def _steps(run: RunData, n: int, out: dict[str, Any], joined: BoolArray) -> None
     every = np.ones(st.num_rows, dtype=bool)
     out["server_ms.sampling"] = total("sampling_ms", every)
     for k in ("prefill", "decode"):
-        rows = kind == k
+        rows = np.asarray(pc.fill_null(pc.equal(kind, k), False), dtype=bool)
         out[f"runtime_ms.h2d_{k}"] = total("h2d_ms", rows)
         out[f"runtime_ms.infer_{k}"] = total("device_wait_ms", rows)
         out[f"runtime_ms.d2h_{k}"] = total("d2h_ms", rows)

@@ -1,6 +1,7 @@
-"""Absolute limits (spec §14, exit 4): latency SLOs, capacity at the target rate, and
-device power/temperature. A limit passes when the statistic's interval lies below it,
-fails when the interval lies wholly above it, and is inconclusive otherwise."""
+"""Absolute limits (spec §14, exit 4): latency SLOs and device power/temperature; capacity
+at the target rate (analysis.capacity) uses `limit_verdict` too. A limit passes when the
+statistic's interval lies below it, fails when the interval lies wholly above it, and is
+inconclusive otherwise."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from analysis.evidence import Context, column_np, verdict_for
+from analysis.evidence import Context, verdict_for
 from analysis.join import device_extremes
-from analysis.rules import CapacityRule, CellSelector, DeviceLimitsRule, SloRule
+from analysis.rules import CellSelector, DeviceLimitsRule, SloRule
 from analysis.stats import mean_ci, quantile, quantile_ci
 from analysis.verdict import RuleVerdict, Status
 
-__all__ = ["HANDLERS"]
+__all__ = ["HANDLERS", "limit_verdict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,7 @@ def _interval(
     return quantile(values, q), lo, hi
 
 
-def _limit(
+def limit_verdict(
     rule: Any,
     ctx: Context,
     select: CellSelector,
@@ -133,110 +134,7 @@ def _slo(rule: SloRule, ctx: Context) -> list[RuleVerdict]:
                 "not configured: set max_ms (the interactive SLA) in the rules file",
             )
         ]
-    return [_limit(rule, ctx, rule.select, rule.metric, rule.statistic, rule.max_ms)]
-
-
-def _capacity(rule: CapacityRule, ctx: Context) -> list[RuleVerdict]:
-    out = []
-    if rule.max_queue_p99_ms is None:
-        out.append(
-            verdict_for(
-                rule,
-                Status.NOT_EVALUATED,
-                None,
-                None,
-                0,
-                "not configured: set max_queue_p99_ms",
-                suffix=".queue_p99",
-            )
-        )
-    else:
-        out.append(
-            _limit(
-                rule,
-                ctx,
-                rule.select,
-                "server_queue_ms",
-                "p99",
-                rule.max_queue_p99_ms,
-                ".queue_p99",
-            )
-        )
-    if rule.max_reject_rate is None:
-        out.append(
-            verdict_for(
-                rule,
-                Status.NOT_EVALUATED,
-                None,
-                None,
-                0,
-                "not configured: set max_reject_rate",
-                suffix=".reject_rate",
-            )
-        )
-    else:
-        t = ctx.candidate.table
-        status = column_np(t.column("result.http_status"), 0, np.int64)
-        worst: tuple[float, str, int] | None = None
-        n_all = 0
-        for key, cell in ctx.candidate.cell_data().items():
-            if not rule.select.matches(key) or cell.rows.size == 0:
-                continue
-            rejected = int(np.count_nonzero(np.isin(status[cell.rows], (429, 503))))
-            n_all += cell.rows.size
-            rate = rejected / cell.rows.size
-            if worst is None or rate > worst[0]:
-                worst = (rate, key.label, cell.rows.size)
-        if worst is None:
-            out.append(
-                verdict_for(
-                    rule,
-                    Status.NOT_EVALUATED,
-                    None,
-                    rule.max_reject_rate,
-                    0,
-                    f"no data: no cell matches {rule.select.describe()}",
-                    suffix=".reject_rate",
-                )
-            )
-        else:
-            ok = worst[0] <= rule.max_reject_rate
-            out.append(
-                verdict_for(
-                    rule,
-                    Status.PASS if ok else Status.FAIL,
-                    worst[0],
-                    rule.max_reject_rate,
-                    n_all,
-                    f"worst {worst[1]}: {worst[0]:.2%} of {worst[2]} answered 429/503; allowed "
-                    f"{rule.max_reject_rate:.2%}"
-                    + ("" if ok else ": lower the rate or raise capacity"),
-                    suffix=".reject_rate",
-                )
-            )
-    out.append(
-        verdict_for(
-            rule,
-            Status.NOT_EVALUATED,
-            None,
-            rule.max_utilisation,
-            0,
-            "no data: the device traces carry no utilisation figure",
-            suffix=".utilisation",
-        )
-    )
-    out.append(
-        verdict_for(
-            rule,
-            Status.NOT_EVALUATED,
-            None,
-            "30-minute windows",
-            0,
-            "no data: stable max QPS needs a rate sweep with a 30-minute window per rate",
-            suffix=".stable_max_qps",
-        )
-    )
-    return out
+    return [limit_verdict(rule, ctx, rule.select, rule.metric, rule.statistic, rule.max_ms)]
 
 
 def _device_limits(rule: DeviceLimitsRule, ctx: Context) -> list[RuleVerdict]:
@@ -303,6 +201,5 @@ def _device_limits(rule: DeviceLimitsRule, ctx: Context) -> list[RuleVerdict]:
 
 HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {
     "slo": _slo,
-    "capacity": _capacity,
     "device_limits": _device_limits,
 }

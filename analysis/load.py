@@ -2,7 +2,11 @@
 
     <run>/client/<worker>/part-NNNNN.{requests,tokens,selfwatch}.parquet
     <run>/client/index.json          the Locust master's index (optional: probes have none)
-    <run>/server/server_events.jsonl, steps.jsonl, device.jsonl   (optional)
+    <run>/server/server_events.jsonl, steps.jsonl, device.jsonl   (optional; a
+                                     `<kind>.parquet` beside one is read instead)
+    <run>/server/resources.jsonl     resources sampled during the run (optional, §13);
+                                     without it, built from server/metrics.jsonl and
+                                     server/process.jsonl when the run has those
     <run>/server/clock.json          {"ntp_offset_ns": int}        (optional)
     <run>/manifest.yaml, plan.json, network_breaks.json            (optional)
 
@@ -16,6 +20,7 @@ Reading is columnar (Parquet and pyarrow's JSON reader); nothing loops over rows
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from analysis.errors import ArtifactError
 from calculet_load.runfolder import part_files
+from calculet_load.schema import ResourceRow
 from calculet_load.schema.arrow import (
     SELFWATCH_SCHEMA,
+    arrow_schema,
     check_table_schema,
     request_schema,
     selfwatch_schema,
@@ -65,6 +72,7 @@ TRACE_FILES = {
     "server_events": "server/server_events.jsonl",
     "steps": "server/steps.jsonl",
     "device": "server/device.jsonl",
+    "resources": "server/resources.jsonl",
 }
 
 Progress = Callable[[str], None]
@@ -120,6 +128,7 @@ _TRACE_SCHEMAS = {
     "server_events": _EVENT_COLUMNS,
     "steps": _STEP_COLUMNS,
     "device": _DEVICE_COLUMNS,
+    "resources": arrow_schema(ResourceRow, "calculet-resources/v1").remove_metadata(),
 }
 
 
@@ -151,6 +160,7 @@ class RunData:
     server_events: pa.Table | None = None
     steps: pa.Table | None = None
     device: pa.Table | None = None
+    resources: pa.Table | None = None
     index: dict[str, Any] | None = None
     manifest: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None
@@ -186,20 +196,32 @@ def _read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
         raise ArtifactError(f"{path}: cannot read: {exc}") from None
 
 
+_IDS = pa.dictionary(pa.int32(), pa.string())
+
+
 def _read_parts(fs: pafs.FileSystem, paths: list[str], name: str, schema: pa.Schema) -> pa.Table:
+    """The parts as one table of `schema`; a dictionary-typed column of it is read as
+    dictionary-encoded from the Parquet pages, never materialized as strings."""
     tables = []
+    encoded = [f.name for f in schema if pa.types.is_dictionary(f.type)]
     for path in paths:
         try:
-            t = pq.read_table(path, filesystem=fs)
+            found = pq.read_schema(path, filesystem=fs)
         except (OSError, pa.ArrowException) as exc:
             raise ArtifactError(f"{path}: unreadable Parquet part: {exc}") from None
         try:
-            check_table_schema(t.schema, name)
+            check_table_schema(found, name)
         except SchemaVersionError as exc:
             raise ArtifactError(f"{path}: {exc}") from None
-        missing = [n for n in schema.names if n not in t.schema.names]
+        missing = [n for n in schema.names if n not in found.names]
         if missing:
             raise ArtifactError(f"{path}: column {missing[0]!r} missing from a {name} part")
+        try:
+            t = pq.read_table(
+                path, columns=schema.names, filesystem=fs, read_dictionary=encoded or None
+            )
+        except (OSError, pa.ArrowException) as exc:
+            raise ArtifactError(f"{path}: unreadable Parquet part: {exc}") from None
         try:
             tables.append(t.select(schema.names).cast(schema))
         except (pa.ArrowException, ValueError) as exc:
@@ -231,6 +253,87 @@ def _read_trace(fs: pafs.FileSystem, path: str, kind: str, notes: list[str]) -> 
     except pa.ArrowException as exc:
         raise ArtifactError(f"{path}: not valid JSON lines of {kind}: {exc}") from None
     return table.select(schema.names)
+
+
+def _json_lines(fs: pafs.FileSystem, path: str) -> list[Any]:
+    data = _read_bytes(fs, path)
+    lines = data.split(b"\n")
+    if lines and lines[-1].strip():
+        lines = lines[:-1]  # a line cut by a crash: the rows before it stand
+    try:
+        return [json.loads(line) for line in lines if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path}: not valid JSON lines: {exc}") from None
+
+
+def _resources_from_scrapes(fs: pafs.FileSystem, root: str, notes: list[str]) -> pa.Table | None:
+    """ResourceRow columns from the harness's /metrics scrapes (server/metrics.jsonl),
+    with the process's RSS, FDs and threads from server/process.jsonl where sampled
+    (the last process row at or before each scrape)."""
+    from calculet_load.resources import resource_fields
+
+    mpath = _path(root, "server/metrics.jsonl")
+    if not _exists(fs, mpath):
+        return None
+    rows = []
+    for row in _json_lines(fs, mpath):
+        samples = row.get("samples") if isinstance(row, dict) and row.get("ok") else None
+        if not isinstance(samples, dict):
+            continue
+        summed: dict[str, float] = {}
+        for key, value in samples.items():
+            if isinstance(value, int | float):
+                name = str(key).split("{", 1)[0]
+                summed[name] = summed.get(name, 0.0) + float(value)
+        rows.append({"wall_ns": row.get("wall_ns"), "mono_ns": row.get("mono_ns"),
+                     **resource_fields(summed)})  # fmt: skip
+    if not rows:
+        return None
+    ppath = _path(root, "server/process.jsonl")
+    procs = [
+        r
+        for r in (_json_lines(fs, ppath) if _exists(fs, ppath) else [])
+        if isinstance(r, dict) and r.get("alive") and isinstance(r.get("mono_ns"), int)
+    ]
+    procs.sort(key=lambda r: r["mono_ns"])
+    if procs:
+        monos = [r["mono_ns"] for r in procs]
+        for row in rows:
+            i = bisect.bisect_right(monos, row["mono_ns"] or 0) - 1
+            if i >= 0:
+                for field in ("rss_bytes", "fds", "threads"):
+                    if procs[i].get(field) is not None:
+                        row[field] = procs[i][field]
+    scaled = any(r.get("time_scale") for r in rows)
+    notes.append(
+        "no server/resources.jsonl: resources read from server/metrics.jsonl"
+        + (" and server/process.jsonl" if procs else "")
+        + ("" if scaled else " (no time scale exposed: leak slopes are per hour of wall time)")
+    )
+    try:
+        return pa.Table.from_pylist(rows, schema=_TRACE_SCHEMAS["resources"])
+    except (pa.ArrowException, TypeError) as exc:
+        raise ArtifactError(f"{mpath}: unexpected values: {exc}") from None
+
+
+def _read_trace_parquet(fs: pafs.FileSystem, path: str, kind: str) -> pa.Table:
+    """A trace in its columnar form (`server/<kind>.parquet`, the JSON lines' rows as
+    written by a collector that converted them): only the columns the analysis reads,
+    `request_id` dictionary-encoded."""
+    schema = _TRACE_SCHEMAS[kind]
+    try:
+        names = pq.read_schema(path, filesystem=fs).names
+        missing = [n for n in schema.names if n not in names]
+        if missing:
+            raise ArtifactError(f"{path}: column {missing[0]!r} missing from a {kind} trace")
+        ids = ["request_id"] if "request_id" in schema.names else None
+        table = pq.read_table(path, columns=schema.names, filesystem=fs, read_dictionary=ids)
+        if ids:  # read dictionary-encoded: millions of rows name far fewer requests
+            i = schema.get_field_index("request_id")
+            schema = schema.set(i, pa.field("request_id", _IDS))
+        return table.cast(schema)
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise ArtifactError(f"{path}: unreadable {kind} trace: {exc}") from None
 
 
 def _read_json(fs: pafs.FileSystem, path: str) -> Any:
@@ -306,9 +409,17 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
     notes: list[str] = []
     index = _read_index(fs, root)
     tables: dict[str, pa.Table] = {}
+    # token events: the columns the analysis reads, ids dictionary-encoded (tens of
+    # millions of events name far fewer requests)
+    full = token_event_schema()
+    tokens = pa.schema(
+        [pa.field("request_id", _IDS)]
+        + [full.field(n) for n in ("event_index", "arrival_ns", "tokens")],
+        metadata=full.metadata,
+    )
     for table, name, schema in (
         ("requests", REQUEST_SCHEMA, request_schema()),
-        ("tokens", TOKEN_EVENT_SCHEMA, token_event_schema()),
+        ("tokens", TOKEN_EVENT_SCHEMA, tokens),
         ("selfwatch", SELFWATCH_SCHEMA, selfwatch_schema()),
     ):
         paths = part_files(uri, table)
@@ -319,11 +430,17 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
     traces: dict[str, pa.Table | None] = {}
     for kind, rel in TRACE_FILES.items():
         path = _path(root, rel)
-        if _exists(fs, path):
+        columnar = path.removesuffix(".jsonl") + ".parquet"
+        if _exists(fs, columnar):
+            say(f"reading {rel.removesuffix('.jsonl')}.parquet")
+            traces[kind] = _read_trace_parquet(fs, columnar, kind)
+        elif _exists(fs, path):
             say(f"reading {rel}")
             traces[kind] = _read_trace(fs, path, kind, notes)
         else:
             traces[kind] = None
+    if traces["resources"] is None:
+        traces["resources"] = _resources_from_scrapes(fs, root, notes)
     manifest = None
     mpath = _path(root, "manifest.yaml")
     if _exists(fs, mpath):
@@ -343,6 +460,7 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
         server_events=traces["server_events"],
         steps=traces["steps"],
         device=traces["device"],
+        resources=traces["resources"],
         index=index,
         manifest=manifest,
         plan=plan if isinstance(plan, dict) else None,

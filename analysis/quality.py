@@ -10,6 +10,9 @@ for one of these reasons, each counted:
     network_break     the request overlaps a declared network break (network_breaks.json)
     client_saturated  the client's self-watch saw loop lag > SATURATED_LAG_MS or CPU >
                       SATURATED_CPU_PERCENT in a sample covering the request
+    interrupted_attempt  a record of a cell attempt that plan.json lists under "excluded"
+                      ({cell, worker, reason}): the pipeline was cut in that cell and
+                      ran it again on resume, so the cut attempt does not count
 
 and a throttled record (quality.throttled, or a throttling chip in device.jsonl during
 the request) is measured but reported apart (§8.7). Every record gets exactly one
@@ -35,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from analysis.errors import ArtifactError
 from analysis.join import BoolArray, IntArray
 from analysis.load import RunData
 from calculet_load.selfwatch_limits import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
@@ -55,6 +59,7 @@ class Reason(StrEnum):
     CLOCK_INCOMPLETE = "clock_incomplete"
     NETWORK_BREAK = "network_break"
     CLIENT_SATURATED = "client_saturated"
+    INTERRUPTED_ATTEMPT = "interrupted_attempt"
 
 
 class Partition(StrEnum):
@@ -74,7 +79,12 @@ QUALITY_COLUMNS: dict[str, pa.DataType] = {
 """Columns `apply_quality` adds: the record's partition, its reasons joined by ";"
 (null when none) and its self-watch flag."""
 
-_EXCLUDING = (Reason.CLOCK_INCOMPLETE, Reason.NETWORK_BREAK, Reason.CLIENT_SATURATED)
+_EXCLUDING = (
+    Reason.CLOCK_INCOMPLETE,
+    Reason.NETWORK_BREAK,
+    Reason.CLIENT_SATURATED,
+    Reason.INTERRUPTED_ATTEMPT,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +187,30 @@ def _network_breaks(run: RunData) -> BoolArray:
     return hit
 
 
+def _interrupted(run: RunData) -> BoolArray:
+    """Records of the cell attempts plan.json excludes: `excluded` entries name a cell
+    (`ext.cell`) and the worker that ran the cut attempt (`ext.worker`; an entry
+    without a worker excludes the cell's records of every worker)."""
+    d = run.requests
+    hit = np.zeros(d.num_rows, dtype=bool)
+    entries = (run.plan or {}).get("excluded") or []
+    where = f"{run.uri.rstrip('/')}/plan.json"
+    if not isinstance(entries, list):
+        raise ArtifactError(f"{where}: excluded: expected a list")
+    if not entries:
+        return hit
+    cells = np.asarray(d.column("ext.cell").fill_null("").to_numpy(zero_copy_only=False))
+    workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("cell"), str):
+            raise ArtifactError(f"{where}: excluded[{i}]: expected {{cell, worker, reason}}")
+        mask = cells == e["cell"]
+        if e.get("worker") is not None:
+            mask &= workers == str(e["worker"])
+        hit |= mask
+    return hit
+
+
 def apply_quality(
     run: RunData,
     *,
@@ -204,6 +238,7 @@ def apply_quality(
         Reason.CLOCK_INCOMPLETE: success & ~_bools(d, "quality.clock_complete"),
         Reason.NETWORK_BREAK: _network_breaks(run) & ~dropped,
         Reason.CLIENT_SATURATED: saturated,
+        Reason.INTERRUPTED_ATTEMPT: _interrupted(run) & ~dropped,
     }
     excluded = np.zeros(n, dtype=bool)
     for r in _EXCLUDING:

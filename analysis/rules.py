@@ -29,6 +29,7 @@ __all__ = [
     "RULES_SCHEMA",
     "RULE_CLASS",
     "AnalysisSettings",
+    "BatchRule",
     "CapacityRule",
     "CellSelector",
     "DeviceLimitsRule",
@@ -36,6 +37,7 @@ __all__ = [
     "GoldenRule",
     "ImprovementSpec",
     "InfrastructureRules",
+    "LeakRule",
     "MaxCountRule",
     "OptimizationRule",
     "RegressionRule",
@@ -223,13 +225,66 @@ class SloRule(_Rule):
 
 class CapacityRule(_Rule):
     """§14.3 at the target arrival rate (the selected open-loop cells): server queue
-    P99, reject rate (429/503 answers) and device utilisation, each against its SLA."""
+    P99, reject rate (429/503 answers) and device utilisation, each against its SLA;
+    the queue-growth test; and the stable max QPS of the run's rate sweep
+    (analysis.capacity): the highest rate held for `window_s` whose errors, rejects,
+    queue P99 and latency P99 meet the limits with a queue that does not keep growing."""
 
     kind: Literal["capacity"]
     select: CellSelector = Field(default_factory=lambda: CellSelector(arrival=["poisson"]))
     max_queue_p99_ms: float | None = Field(default=None, gt=0)
     max_reject_rate: float | None = Field(default=None, ge=0, le=1)
     max_utilisation: float | None = Field(default=None, gt=0)
+    window_s: float = Field(default=1800.0, gt=0)
+    max_error_rate: float = Field(default=0.0, ge=0, le=1)
+    latency_metric: str = "ttft_from_intended_ms"
+    max_latency_p99_ms: float | None = Field(default=None, gt=0)
+    queue_growth_ms_per_min: float = Field(default=10.0, ge=0)
+    min_stable_qps: float | None = Field(default=None, gt=0)
+
+    @field_validator("latency_metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        return _known_metric(v)
+
+
+class BatchRule(_Rule):
+    """§7/§14 batch: at low fill (active lanes ≤ low_fill_ratio · B) the single-request
+    TPOT P99 still meets the interactive SLA; the SLA is also what the batch section's
+    profile recommendation assumes. `compiled_batch` is B of the calbin under test
+    (null: the most active lanes any decode step of steps.jsonl had)."""
+
+    kind: Literal["batch"]
+    select: CellSelector = Field(default_factory=CellSelector)
+    compiled_batch: int | None = Field(default=None, gt=0)
+    max_tpot_p99_ms: float | None = Field(default=None, gt=0)
+    low_fill_ratio: float = Field(default=0.5, gt=0, le=1)
+
+
+class LeakRule(_Rule):
+    """§13 leaks: per resource series of server/resources.jsonl, a LEAK (analysis.leaks:
+    significant Theil–Sen growth at or above `min_slope_per_h`, in the series' unit per
+    hour of server time) fails; and, when `idle_baseline`, KV and leases held must be 0
+    whenever no sequence is active or queued."""
+
+    kind: Literal["leaks"]
+    min_slope_per_h: dict[str, float] = Field(default_factory=dict)
+    alpha: float = Field(default=0.01, gt=0, lt=1)
+    warmup_s: float | None = Field(default=None, ge=0)
+    bin_s: float | None = Field(default=None, gt=0)
+    idle_baseline: bool = True
+
+    @field_validator("min_slope_per_h")
+    @classmethod
+    def _series(cls, v: dict[str, float]) -> dict[str, float]:
+        from analysis.resources import LEAK_SERIES
+
+        for name, gate in v.items():
+            if name not in LEAK_SERIES:
+                raise ValueError(f"unknown resource {name!r}; one of {', '.join(LEAK_SERIES)}")
+            if gate < 0:
+                raise ValueError(f"{name}: a growth-rate gate must be >= 0")
+        return v
 
 
 class DeviceLimitsRule(_Rule):
@@ -249,7 +304,9 @@ Rule = Annotated[
     | ThroughputGainRule
     | SloRule
     | CapacityRule
-    | DeviceLimitsRule,
+    | DeviceLimitsRule
+    | BatchRule
+    | LeakRule,
     Field(discriminator="kind"),
 ]
 
@@ -264,6 +321,8 @@ RULE_CLASS: dict[str, str] = {
     "slo": "performance",
     "capacity": "performance",
     "device_limits": "performance",
+    "batch": "performance",
+    "leaks": "correctness",
 }
 
 

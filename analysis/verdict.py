@@ -197,4 +197,9 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
 
 
 _MAX_CELLS = 8
-_EXCLUDING_REASONS = ("clock_incomplete", "network_break", "client_saturated")
+_EXCLUDING_REASONS = (
+    "clock_incomplete",
+    "network_break",
+    "client_saturated",
+    "interrupted_attempt",
+)

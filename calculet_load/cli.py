@@ -47,9 +47,36 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_arguments",
         "run",
     ),
+    "faults": (
+        "calculet_load.faults",
+        "run the fault matrix of §12 (scenarios as data) against a target: faults.json, "
+        "a verdict with evidence per scenario",
+        "add_arguments",
+        "run",
+    ),
+    "soak": (
+        "calculet_load.soak",
+        "run a stability stage of §13 (configs/soak: smoke, dev, candidate, release, "
+        "endurance) with resources and traces sampled during the run; leak/hang/abort verdict",
+        "add_arguments",
+        "run",
+    ),
+    "capacity": (
+        "calculet_load.capacity",
+        "find the stable max QPS of §14.3: open-loop rate doubling then bisection, each "
+        "window judged on backlog growth, rejects and P99 latency/queue against the SLA",
+        "add_arguments",
+        "run",
+    ),
     "analyze": (
         "analysis.cli",
         "judge a run folder (and compare it with a baseline): verdict.json, summary, exit code",
+        "add_arguments",
+        "run",
+    ),
+    "report": (
+        "analysis.report",
+        "render a run folder's HTML acceptance report (one self-contained file) from its files",
         "add_arguments",
         "run",
     ),
@@ -70,6 +97,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "write a new Ed25519 signing key (FILE, mode 0600) and its public key (FILE.pub)",
         "add_keygen",
         "run_keygen",
+    ),
+    "import-legacy": (
+        "analysis.cli",
+        "import the old benchmark CSV as a trend-only, non-authoritative series (never a baseline)",
+        "add_import_legacy",
+        "run_import_legacy",
     ),
 }
 

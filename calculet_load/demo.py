@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+_SIGNING_ENV = ("CALCULET_SIGNING_KEY", "CALCULET_SIGNING_KEY_FILE")  # analysis.sign reads
 BROKEN = {
     "nan": ["--set", "knobs.nan_probability=0.05"],
     "crosstalk": ["--set", "knobs.crosstalk_probability=0.02"],
@@ -91,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
         generate_keypair(str(key))
         print(f"signing key: created {key} (public key {key}.pub)")
-    os.environ.setdefault("CALCULET_SIGNING_KEY_FILE", str(key))
+    # Sign with the key named above (and in the verify line below), whatever key the
+    # environment names; the caller's environment is restored at the end.
+    saved_env = {k: os.environ.pop(k, None) for k in _SIGNING_ENV}
+    os.environ["CALCULET_SIGNING_KEY_FILE"] = str(key)
     opts = Options(
         manifest=str(manifest_path),
         matrix=manifest["matrix"],
@@ -117,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             proc.kill()
         manifest_path.unlink(missing_ok=True)
         shutil.rmtree(sim_traces, ignore_errors=True)
+        for name, value in saved_env.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
     for note in getattr(locals().get("pipeline"), "notes", []):
         print(f"note: {note}")
     report = run_dir / "report.html"

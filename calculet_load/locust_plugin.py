@@ -57,6 +57,7 @@ from calculet_load.livestats import LiveStats
 from calculet_load.mixes import Mix, MixChooser, MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.records import RequestRecord
+from calculet_load.scrape import ServerSampler, sampler_for_run
 from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session
 from calculet_load.sink import PartSink
@@ -114,6 +115,24 @@ def _add_options(parser: Any) -> None:
         default="",
         ui=False,
         help="with locustfiles/stages.py: DURATION_S@RATE[@BURST_SIZE/EVERY_S],... or a YAML file",
+    )
+    # issue 9: Prometheus exposition (calculet_load.prom) and server sampling (.scrape)
+    opt("--metrics-port", type=int, default=0, ui=False, help="serve Prometheus /metrics (0: off)")
+    opt("--metrics-host", default="", ui=False, help="--metrics-port's address (default: all)")
+    opt(
+        "--scrape-interval",
+        type=float,
+        default=5.0,
+        ui=False,
+        help="master: sample the target's /metrics and process into server/ every N s (0: off)",
+    )
+    opt("--server-metrics-url", default="", ui=False, help="default: TARGET/metrics")
+    opt(
+        "--server-pid",
+        type=int,
+        default=0,
+        ui=False,
+        help="target process to sample (0: by the target's port on this host; -1: off)",
     )
 
 
@@ -258,7 +277,7 @@ class Worker:
     # --- records → live stats and Locust's request event ---------------------------
     def _on_record(self, record: RequestRecord, out: Outcome) -> None:
         for s in (self.stats, self.wire_pending):
-            _count(s, record)
+            _count(s, record, self.opts.model)
         if out.cancelled_at == "run_stop":
             return  # cut by the end of the run: in the records, not a server failure
         d = record.durations_ms
@@ -313,6 +332,8 @@ class Worker:
         for s in (self.stats, self.wire_pending):
             s.observe("loop_lag", row.loop_lag_ms)
         self.cpu_percent = row.cpu_percent
+        self.stats.in_flight[self.name] = row.in_flight or 0  # issue 9: a local run's gauges
+        self.stats.cpu_percent[self.name] = row.cpu_percent
 
     # --- closed loop ----------------------------------------------------------------
     def closed_request(self) -> None:
@@ -390,7 +411,7 @@ class Worker:
                 spec, f"in-flight cap {self.pool.size} full at the intended time"
             )
             for s in (self.stats, self.wire_pending):
-                _count(s, record)
+                _count(s, record, self.opts.model)
             return
         self.pool.spawn(self._send, spec)
 
@@ -494,12 +515,13 @@ def vars_ns(ns: Any) -> list[int | None]:
     return [getattr(ns, f) for f in ns.__dataclass_fields__]
 
 
-def _count(s: LiveStats, record: RequestRecord) -> None:
+def _count(s: LiveStats, record: RequestRecord, model: str = "") -> None:
     e = record.ext
     c = s.counters
     if e.dropped:
         c["dropped"] += 1
         return
+    s.observe_series(record, model)  # issue 9: labelled series for Prometheus
     c["requests"] += 1
     if e.error_class is None:
         c["ok"] += 1
@@ -549,6 +571,7 @@ class Coordinator:
         self._loop: gevent.Greenlet[..., Any] | None = None
         self._burster: gevent.Greenlet[..., Any] | None = None
         self._burst_seq = 0
+        self._sampler: ServerSampler | None = None  # issue 9
 
     @property
     def distributed(self) -> bool:
@@ -584,6 +607,16 @@ class Coordinator:
         )
         opts.calculet_plan = self.plan.to_json()
         self.write_index("running")
+        # issue 9: the target's /metrics and process into server/ while the run goes on
+        if self._sampler is not None:
+            self._sampler.stop()
+        self._sampler = sampler_for_run(
+            run_dir,
+            self.env.host,
+            interval_s=float(opts.scrape_interval),
+            metrics_url=opts.server_metrics_url,
+            server_pid=int(opts.server_pid),
+        )
         if self._loop is None:
             self._loop = gevent.spawn(self._tick_loop)
         if opts.arrival == "burst":
@@ -601,6 +634,9 @@ class Coordinator:
         if self._burster is not None:
             self._burster.kill()
             self._burster = None
+        if self._sampler is not None:  # issue 9
+            self._sampler.stop()
+            self._sampler = None
         self.ended_wall_ns = time.time_ns()
 
     # --- periodic work ----------------------------------------------------------------
@@ -804,6 +840,10 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         from calculet_load import locust_webui
 
         locust_webui.install(environment, lambda: STATE.master)
+    if int(environment.parsed_options.metrics_port) > 0:  # issue 9
+        from calculet_load import prom
+
+        prom.install(environment)
 
 
 def _validate(opts: Any) -> None:

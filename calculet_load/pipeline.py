@@ -117,6 +117,7 @@ class Pipeline:
         self.plan: dict[str, Any] = {}
         self.code = EXIT_OK
         self.notes: list[str] = []
+        self.sampler: Any = None
 
     # --------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -172,6 +173,8 @@ class Pipeline:
             self.say(f"STOP (exit {stop.code}): {stop}")
             self.code = stop.code
         finally:
+            if self.sampler is not None:
+                self.sampler.stop()
             self.watch.stop()
             self.session.close()
             self.sink.close()
@@ -195,6 +198,12 @@ class Pipeline:
             self.say(f"resuming {self.run_dir} (attempt {self.plan['attempts']})")
             self._release()
         self._matrix()
+        # --- issue 8: the fault matrix of §12 (calculet_load/faults.py), with --faults ---
+        if self.o.extra.get("faults"):
+            from calculet_load.faults import run_accept_step
+
+            run_accept_step(self)
+        # --- end of the fault matrix step ----------------------------------------------
         self._golden("golden_after")
         self._resources()
 
@@ -366,6 +375,14 @@ class Pipeline:
         self._save_plan()
 
     def _matrix(self) -> None:
+        if self.o.admin_token:
+            # the target's RSS, FDs, threads, KV and leases through the run (leak analysis)
+            from calculet_load.resources import ResourceSampler
+
+            self.sampler = ResourceSampler(
+                self.url, self.run_dir / "server" / "resources.jsonl",
+                admin_token=self.o.admin_token, interval_s=1.0,
+            ).start()  # fmt: skip
         todo = [c for c in self.plan["cells"] if c["status"] != "done"]
         self.log.write("matrix", "start", cells=len(self.plan["cells"]), todo=len(todo))
         for entry in self.plan["cells"]:
@@ -693,6 +710,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--skip-report", action="store_true", help="no HTML report")
+    p.add_argument(  # issue 8: the fault matrix step
+        "--faults",
+        help="fault scenarios (a file or folder, e.g. configs/faults): run the "
+        "fault matrix after the matrix, before golden after (needs CALCULET_ADMIN_TOKEN)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -722,6 +744,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         skip_report=args.skip_report,
         progress=not args.quiet,
+        extra={"faults": args.faults},  # issue 8: the fault matrix step
     )
     try:
         pipeline = Pipeline(opts)

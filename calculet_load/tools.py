@@ -29,6 +29,7 @@ def _schemas() -> dict[str, Any]:
     from calculet_load.matrix import GoldenSet, matrix_json_schema
     from calculet_load.mixes import mix_json_schema
     from calculet_load.schema.records import request_json_schema
+    from calculet_load.schema.scrape import MetricsScrapeRow, ProcessRow
     from calculet_load.schema.traces import AuditRow, DeviceRow, ServerEventRow, StepRow
     from calculet_load.schema.traces import json_schema as trace_schema
 
@@ -42,7 +43,23 @@ def _schemas() -> dict[str, Any]:
         "steps": lambda: trace_schema(StepRow),
         "device": lambda: trace_schema(DeviceRow),
         "audit": lambda: trace_schema(AuditRow),
+        "server_metrics": lambda: trace_schema(MetricsScrapeRow),
+        "server_process": lambda: trace_schema(ProcessRow),
+        "faults": _fault_scenario_schema,
+        "soak": _soak_stage_schema,
     }
+
+
+def _soak_stage_schema() -> dict[str, Any]:
+    from calculet_load.soak import stage_json_schema
+
+    return stage_json_schema()
+
+
+def _fault_scenario_schema() -> dict[str, Any]:
+    from calculet_load.faultspec import scenario_json_schema
+
+    return scenario_json_schema()
 
 
 def add_schema(p: argparse.ArgumentParser) -> None:

@@ -114,7 +114,10 @@ class PromptFactory:
         ids = self._ids.get(sample)
         if ids is None:
             text = " ".join(sample_words(self.corpus_seed, sample, 2048))
-            ids = self.tokenize({"content": text, "add_special": False})
+            # llama.cpp's /tokenize reads `content`/`add_special`, vLLM's reads
+            # `prompt`/`add_special_tokens`; each ignores the other's fields
+            body = {"content": text, "add_special": False}
+            ids = self.tokenize(body | {"prompt": text, "add_special_tokens": False})
             if not ids:
                 raise WorkloadError("/tokenize returned no tokens for the corpus sample")
             self._ids[sample] = ids

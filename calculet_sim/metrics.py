@@ -44,6 +44,9 @@ class _EngineCollector(Collector):
                 e.leases_quarantined,
             ),
             "calculet_generation": ("Model generation", e.generation),
+            # a rehearsal's clock: real seconds per simulated second (the harness turns
+            # resource slopes into per-hour-of-server-time with it)
+            "calculet_sim_time_scale": ("Simulator time scale", e.p.time_scale),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -30,7 +30,11 @@ from calculet_load.runfolder import read_records
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+# the three calculet services; profile services (Prometheus, Grafana: `metrics`) are
+# checked in tests/test_compose_metrics.py
+SERVICES: dict[str, dict[str, Any]] = {
+    n: s for n, s in COMPOSE["services"].items() if "profiles" not in s
+}
 APP = "/app"  # the image's WORKDIR: compose paths under it are repo paths
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,12 +106,19 @@ def test_ports_volumes_and_start_order() -> None:
         assert condition != "service_healthy" or "healthcheck" in sim
 
 
+_LOCUST_HELP = (
+    "import runpy, sys; runpy.run_path(sys.argv[1]); "
+    "from locust.argument_parser import get_parser; get_parser().print_help()"
+)
+
+
 def test_every_option_appears_in_its_programs_help() -> None:
     for name, s in SERVICES.items():
         cmd = s["command"]
         help_cmd = [str(BIN / cmd[0])]
-        if cmd[0] == "locust":  # calculet's options exist once the locustfile is loaded
-            help_cmd += ["-f", _value(cmd, "-f")]
+        if cmd[0] == "locust":  # Locust prints --help before it loads the locustfile, so
+            # its help lacks calculet's options: load the locustfile, then print the help
+            help_cmd = [sys.executable, "-c", _LOCUST_HELP, _value(cmd, "-f")]
         out = subprocess.run(
             [*help_cmd, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
         )
@@ -234,9 +245,15 @@ def test_the_compose_commands_run_a_distributed_run(tmp_path: Path, procs: Procs
     master_cmd = _local(
         SERVICES["master"]["command"],
         app,
-        {"--web-host": "127.0.0.1", "--web-port": str(_free_port()), "-H": sim_url},
+        {
+            "--web-host": "127.0.0.1",
+            "--web-port": str(_free_port()),
+            "-H": sim_url,
+            "--metrics-port": str(_free_port()),
+        },
         [
             *("--master-bind-host", "127.0.0.1", "--master-bind-port", master_port),
+            *("--metrics-host", "127.0.0.1"),
             *("--expect-workers", "1", "--headless", "-u", "2", "-r", "2", "-t", "6s"),
         ],
     )

@@ -151,6 +151,34 @@ class AuditRow:
     versions: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResourceRow:
+    """One row of `server/resources.jsonl`: the server's resources sampled by the harness
+    during a run (spec §13), from its `/metrics` and, with an admin token, `/admin/state`.
+
+    Counts are integers, memory in the unit of its name; a figure the server does not
+    expose is None, never 0. `leases` are OutputBuf leases held by sequences; the pool's
+    unavailable leases (held, quarantined, leaked) are `leases_total − leases_free`.
+    `time_scale` is the simulator's (real seconds per simulated second), None for a
+    real server: a leak's slope is per hour of server time.
+    """
+
+    wall_ns: int
+    mono_ns: int
+    rss_bytes: int | None = None
+    fds: int | None = None
+    threads: int | None = None
+    kv_allocated_tokens: int | None = None
+    kv_quarantined_tokens: int | None = None
+    leases: int | None = None
+    leases_free: int | None = None
+    leases_total: int | None = None
+    device_memory_mib: float | None = None
+    sequences_active: int | None = None
+    requests_queued: int | None = None
+    time_scale: float | None = None
+
+
 _ADAPTERS: dict[type[Any], TypeAdapter[Any]] = {}
 
 

@@ -32,7 +32,7 @@ def _start(
 def _finish(sim: SimProcess, run: LocustRun) -> str:
     assert run.wait(60) == 0, run.log_text()
     sim.stop()  # flushes the traces
-    shutil.copytree(sim.trace_dir, run.run_dir / "server")
+    shutil.copytree(sim.trace_dir, run.run_dir / "server", dirs_exist_ok=True)
     return str(run.run_dir)
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from analysis.errors import ArtifactError
 from analysis.load import load_run
 from analysis.quality import apply_quality
 from calculet_load.selfwatch_limits import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
@@ -71,6 +74,7 @@ def test_every_record_gets_one_partition_and_every_reason_is_counted(tmp_path: P
         "clock_incomplete": 1,
         "network_break": 1,
         "client_saturated": 2,
+        "interrupted_attempt": 0,
     }
     assert q.by_partition == {
         "measured": 4,
@@ -118,3 +122,51 @@ def test_a_record_with_several_reasons_is_counted_under_each(tmp_path: Path) -> 
         "warmup;clock_incomplete;client_saturated"
     ]
     assert q.by_reason["warmup"] == q.by_reason["clock_incomplete"] == 1
+
+
+def test_the_records_of_an_interrupted_cell_attempt_are_excluded(tmp_path: Path) -> None:
+    """A resumed pipeline run lists the attempt it cut in plan.json "excluded": the
+    records of that cell by that worker leave the measured set; the rerun stays."""
+    b = RunBuilder(tmp_path)
+    b.add(request("cut1", t0=1_000 * MS, cell="poisson4-p128-o16", worker="w00"))
+    b.add(request("cut2", t0=1_100 * MS, cell="poisson4-p128-o16", worker="w00"))
+    b.add(request("done", t0=500 * MS, cell="c2-p128-o16", worker="w00"))
+    b.add(request("rerun", t0=9_000 * MS, cell="poisson4-p128-o16", worker="w00-r1"))
+    b.add(request("other", t0=9_500 * MS, cell="c2-p128-o16", worker="w00-r1"))
+    run_dir = b.write()
+    plan = {
+        "schema": "calculet-plan/v1",
+        "attempts": 2,
+        "cells": [],
+        "excluded": [
+            {
+                "cell": "poisson4-p128-o16",
+                "worker": "w00",
+                "reason": "interrupted cell attempt (the cell was run again)",
+            }
+        ],
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    table, q = apply_quality(load_run(run_dir))
+    ids = table.column("request_id").to_pylist()
+    part = dict(zip(ids, table.column("quality.partition").to_pylist(), strict=True))
+    reasons = dict(zip(ids, table.column("quality.reasons").to_pylist(), strict=True))
+    assert part == {
+        "cut1": "excluded",
+        "cut2": "excluded",
+        "done": "measured",
+        "rerun": "measured",
+        "other": "measured",
+    }
+    assert reasons["cut1"] == reasons["cut2"] == "interrupted_attempt"
+    assert q.by_reason["interrupted_attempt"] == 2
+    assert q.by_partition == {"excluded": 2, "measured": 3}
+
+
+def test_a_malformed_plan_exclusion_is_an_artifact_error(tmp_path: Path) -> None:
+    b = RunBuilder(tmp_path)
+    b.add(request("x", t0=500 * MS))
+    run_dir = b.write()
+    (tmp_path / "plan.json").write_text(json.dumps({"excluded": [{"worker": "w00"}]}))
+    with pytest.raises(ArtifactError, match=r"plan\.json: excluded\[0\]"):
+        apply_quality(load_run(run_dir))

@@ -35,9 +35,10 @@ def test_default_rules_are_valid_and_cover_section_14() -> None:
         "regression",
         "optimization",
         "throughput_gain",
-        "slo",
+        "batch",
         "capacity",
         "device_limits",
+        "leaks",
     }
     refactor = next(r for r in rules.rules if r.id == "refactor")
     assert refactor.kind == "regression"

@@ -1,0 +1,292 @@
+"""The report's figures: matplotlib (Agg backend) drawn to SVG strings for inline use.
+
+Every function takes plain arrays the view model prepared (already downsampled: a
+caller passes at most a few thousand points per line) and returns one `<svg>` element
+as text, with no XML prolog, no metadata, no global `<style>` and ids prefixed per
+figure, so that many figures can share one HTML document. Text stays text
+(`svg.fonttype: none`): smaller files, searchable labels, no embedded glyph paths.
+Nothing here reads files or computes statistics.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+
+__all__ = [
+    "BreakdownBar",
+    "Line",
+    "Panel",
+    "breakdown_bars",
+    "cdf_figure",
+    "curve_figure",
+    "scatter_curve",
+    "timeseries_figure",
+]
+
+_RC: Any = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "calculet-report",  # stable clip-path ids: same inputs, same bytes
+    "font.size": 8,
+    "axes.titlesize": 9,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "legend.fontsize": 7,
+    "figure.dpi": 100,
+}
+_COUNTER = itertools.count(1)
+_ID = re.compile(r'\bid="([^"]+)"')
+_REF = re.compile(r'(\bid="|url\(#|href="#)([^"()]+)("|\))')
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One line of a chart; `lo`/`hi` draw an interval around `y` (None: no interval)."""
+
+    label: str
+    x: Sequence[float]
+    y: Sequence[float]
+    lo: Sequence[float] | None = None
+    hi: Sequence[float] | None = None
+    style: str = "-"
+    marker: str | None = None
+    color: int | None = None  # matplotlib cycle index; None: by position
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    """One axes of a time-series figure: lines, horizontal limits, shaded spans."""
+
+    ylabel: str
+    lines: Sequence[Line]
+    limits: Sequence[tuple[float, str]] = ()
+    spans: Sequence[tuple[float, float]] = ()
+    span_label: str = ""
+    step: bool = False
+    bands: Sequence[tuple[float, float]] = ()  # light grey, e.g. the cells' windows
+    band_label: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BreakdownBar:
+    label: str
+    segments: dict[str, float] = field(default_factory=dict)
+
+
+def _svg(fig: Figure) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    text = buf.getvalue()
+    text = text[text.index("<svg") :]
+    text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.S)
+    text = re.sub(r"<style[^>]*>.*?</style>\s*", "", text, flags=re.S)
+    prefix = f"f{next(_COUNTER)}-"
+    ids = set(_ID.findall(text))
+
+    def scoped(m: re.Match[str]) -> str:
+        head, name, tail = m.group(1), m.group(2), m.group(3)
+        return f"{head}{prefix}{name}{tail}" if name in ids else m.group(0)
+
+    text = _REF.sub(scoped, text)  # one pass: ids, url(#id) and href="#id"
+    return text.replace("<svg ", '<svg class="plot" role="img" ', 1)
+
+
+def _figure(ncols: int, width: float, height: float) -> tuple[Figure, list[Any]]:
+    with plt.rc_context(_RC):
+        fig, axes = plt.subplots(
+            1, ncols, figsize=(width, height), squeeze=False, layout="constrained"
+        )
+    return fig, list(axes[0])
+
+
+def _color(line: Line, i: int) -> str:
+    return f"C{(line.color if line.color is not None else i) % 10}"
+
+
+def _styled(ax: Any) -> None:
+    ax.grid(True, alpha=0.3)
+
+
+def cdf_figure(panels: Sequence[tuple[str, Sequence[Line]]]) -> str:
+    """Empirical CDFs, one axes per metric; each line is (value, cumulative fraction)."""
+    with plt.rc_context(_RC):
+        fig, axes = _figure(len(panels), 3.6 * len(panels), 3.0)
+        for ax, (title, lines) in zip(axes, panels, strict=True):
+            for i, line in enumerate(lines):
+                # ~200 quantile points per line: joined, not stepped (half the vertices)
+                ax.plot(
+                    line.x, line.y, label=line.label, ls=line.style, color=_color(line, i), lw=1.1
+                )
+            ax.set_title(title)
+            ax.set_ylabel("fraction of requests ≤ x")
+            ax.set_ylim(0, 1.01)
+            if any(len(line.x) and min(line.x) > 0 for line in lines):
+                ax.set_xscale("log")
+            _styled(ax)
+        axes[0].legend(loc="lower right", frameon=False)
+        return _svg(fig)
+
+
+def curve_figure(panels: Sequence[tuple[str, str, Sequence[Line]]]) -> str:
+    """Lines with interval bars (e.g. P50 and P99 with their CIs vs concurrency);
+    panels are (title, x label, lines)."""
+    with plt.rc_context(_RC):
+        fig, axes = _figure(len(panels), 4.2 * len(panels), 3.0)
+        for ax, (title, xlabel, lines) in zip(axes, panels, strict=True):
+            for i, line in enumerate(lines):
+                x, y = np.asarray(line.x, float), np.asarray(line.y, float)
+                yerr = None
+                if line.lo is not None and line.hi is not None:
+                    lo = np.asarray(line.lo, float)
+                    hi = np.asarray(line.hi, float)
+                    yerr = np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
+                    yerr = np.nan_to_num(yerr, nan=0.0)
+                ax.errorbar(
+                    x,
+                    y,
+                    yerr=yerr,
+                    label=line.label,
+                    ls=line.style,
+                    marker=line.marker or "o",
+                    ms=3,
+                    capsize=2,
+                    lw=1,
+                    color=_color(line, i // 2),
+                )
+            ax.set_title(title)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("ms")
+            _styled(ax)
+        axes[0].legend(frameon=False)
+        return _svg(fig)
+
+
+def scatter_curve(
+    points: tuple[Sequence[float], Sequence[float]],
+    curves: Sequence[Line],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    marks: Sequence[tuple[float, str]] = (),
+) -> str:
+    """Per-request points (light) with summary curves over them (e.g. TPOT vs prompt)."""
+    with plt.rc_context(_RC):
+        fig, (ax,) = _figure(1, 7.5, 3.2)
+        ax.scatter(points[0], points[1], s=4, alpha=0.25, color="0.45", label="requests")
+        for i, line in enumerate(curves):
+            ax.plot(
+                line.x,
+                line.y,
+                ls=line.style,
+                marker=line.marker or "o",
+                ms=3,
+                label=line.label,
+                color=_color(line, i),
+            )
+        for x, text in marks:
+            ax.axvline(x, color="C3", ls=":", lw=0.8)
+            ax.annotate(
+                text,
+                (x, 1.0),
+                xycoords=("data", "axes fraction"),
+                fontsize=6,
+                ha="right",
+                va="top",
+                rotation=90,
+                color="C3",
+            )
+        if len(points[0]) and min(points[0]) > 0:
+            ax.set_xscale("log", base=2)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        _styled(ax)
+        ax.legend(frameon=False, loc="upper left")
+        return _svg(fig)
+
+
+def breakdown_bars(
+    bars: Sequence[BreakdownBar], order: Sequence[str], colors: dict[str, str]
+) -> str:
+    """Horizontal stacked bars, one per request, segments in `order` (ms)."""
+    with plt.rc_context(_RC):
+        fig, (ax,) = _figure(1, 8.0, 0.7 + 0.22 * max(1, len(bars)))
+        y = np.arange(len(bars))[::-1]
+        left = np.zeros(len(bars))
+        for name in order:
+            widths = np.array([max(0.0, b.segments.get(name, 0.0)) for b in bars])
+            if not np.any(widths > 0):
+                continue
+            ax.barh(y, widths, left=left, height=0.7, label=name, color=colors.get(name))
+            left += widths
+        ax.set_yticks(y, [b.label for b in bars], fontsize=6)
+        ax.set_xlabel("ms (end to end, client clock; server phases from the trace)")
+        ax.legend(frameon=False, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=6)
+        _styled(ax)
+        return _svg(fig)
+
+
+def timeseries_figure(panels: Sequence[Panel], *, xlabel: str) -> str:
+    """Stacked time-series axes sharing x; limits as dashed lines, spans shaded."""
+    with plt.rc_context(_RC):
+        fig, axes = plt.subplots(
+            len(panels),
+            1,
+            figsize=(8.0, 1.5 * len(panels) + 0.5),
+            sharex=True,
+            squeeze=False,
+            layout="constrained",
+        )
+        for ax, panel in zip(axes[:, 0], panels, strict=True):
+            for i, (a, b) in enumerate(panel.bands):
+                ax.axvspan(
+                    a,
+                    b,
+                    color="0.5",
+                    alpha=0.12,
+                    lw=0,
+                    label=panel.band_label if i == 0 and panel.band_label else None,
+                )
+            for i, (a, b) in enumerate(panel.spans):
+                ax.axvspan(
+                    a,
+                    b,
+                    color="C3",
+                    alpha=0.15,
+                    lw=0,
+                    label=panel.span_label if i == 0 and panel.span_label else None,
+                )
+            for i, line in enumerate(panel.lines):
+                if panel.step:
+                    ax.step(
+                        line.x,
+                        line.y,
+                        where="post",
+                        lw=0.9,
+                        label=line.label,
+                        color=_color(line, i),
+                    )
+                else:
+                    ax.plot(line.x, line.y, lw=0.9, label=line.label, color=_color(line, i))
+            for value, text in panel.limits:
+                ax.axhline(value, color="C3", ls="--", lw=0.8, label=text)
+            ax.set_ylabel(panel.ylabel)
+            _styled(ax)
+            if len(panel.lines) > 1 or panel.limits or panel.spans or panel.bands:
+                ax.legend(frameon=False, fontsize=6, loc="upper left", ncols=3)
+        axes[-1, 0].set_xlabel(xlabel)
+        return _svg(fig)

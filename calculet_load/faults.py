@@ -1,0 +1,958 @@
+"""`calculet-load faults`: the fault matrix of spec §12.1–§12.3 against a target.
+
+Each scenario of `configs/faults/*.yaml` (schema: calculet_load/faultspec.py) runs in turn
+on the same target:
+
+  1 the target must be ready and idle (faults cleared, nothing queued or running);
+  2 references: each prompt the scenario sends is run once, its output hash kept;
+  3 the window opens (server events are read from here on, `/admin/state` noted);
+  4 the load starts (closed loop, group `load`) and the actions run: arm faults through
+    the admin API, send requests, illegal lengths, bursts, cancels, admin calls, waits;
+  5 the load stops, faults are cleared, the target must return to ready and idle;
+  6 the window's server events are collected (until every admitted request has ended);
+  7 golden after recovery: the references again, and the golden set when given;
+  8 the verdict: every expectation and invariant is a check with what was expected and
+    what was observed (calculet_load/faultcheck.py); PASS when all hold.
+
+`--broken NAME[,NAME]|all` is for rehearsals against the simulator: the scenario's
+`target_fault` is armed in its broken mode, so the verdict must come out FAIL.
+
+Outputs in the run folder: `faults.json` (every scenario, its verdict and evidence),
+`faults/client/<worker>/part-*.parquet` (the scenario requests' records, kept out of the
+performance analysis) and `faults/server_events.jsonl` (each scenario's window).
+Exit codes: 0 every scenario passed; 1 a scenario failed or could not run on a ready
+target; 2 a scenario file, the manifest or the golden set is invalid; 3 the target is
+unreachable or has no fault API (infrastructure: rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import gevent
+
+from calculet_load.client import Outcome, Timeouts, run_in_greenlet
+from calculet_load.faultcheck import TERMINAL_EVENTS, Observation, ReqObs, get_path, judge
+from calculet_load.faultspec import (
+    Action,
+    FaultScenario,
+    FaultSpecError,
+    Illegal,
+    Send,
+    WaitEvent,
+    WaitState,
+    load_scenarios,
+)
+from calculet_load.matrix import GoldenSet, MatrixError, load_golden
+from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
+from calculet_load.session import RequestSpec, RunContext, Session
+from calculet_load.sink import PartSink
+from calculet_load.targetapi import TargetAPI, off_loop
+from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_tokenizer
+
+FAULTS_SCHEMA = "calculet-faults/v1"
+EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_INFRA = 0, 1, 2, 3
+PASS, FAIL, ERROR, SKIPPED = "PASS", "FAIL", "ERROR", "SKIPPED"
+UINT32_MAX = 2**32 - 1
+
+
+class _ActionFailed(Exception):
+    pass
+
+
+class _Infra(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class FaultOptions:
+    manifest: str
+    scenarios: str = "configs/faults"
+    url: str | None = None
+    run_dir: str | None = None
+    golden: str | None = None
+    admin_token: str | None = None
+    only: list[str] | None = None
+    broken: list[str] | None = None  # rehearsal: arm these scenarios' faults broken ("all")
+    allow_stop: bool = False  # run scenarios that stop the target (shutdown)
+    time_scale: float | None = None  # default: /admin/state `time_scale`, else 1
+    slack_s: float = 0.5  # real seconds on top of every scaled time bound
+    settle_s: float = 0.5  # real seconds for the target to flush its traces
+    progress: bool = True
+    worker: str = "faults"
+
+
+class _FaultSession(Session):
+    """A Session whose request ids come from a counter shared with its siblings (one per
+    timeout), and which tells the running greenlet its request id."""
+
+    def __init__(self, *args: Any, ids: Iterator[int], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._ids = ids
+
+    def next_request_id(self) -> str:
+        rid = f"{self.ctx.run_id}.{self.ctx.worker}.{next(self._ids):08d}"
+        gevent.getcurrent().fault_request_id = rid
+        return rid
+
+
+@dataclasses.dataclass
+class _Run:
+    """One scenario while it runs."""
+
+    sc: FaultScenario
+    broken: bool
+    obs: Observation
+    served_calbin: str | None = None
+    background: dict[str, list[gevent.Greenlet]] = dataclasses.field(default_factory=dict)
+    admin_bg: dict[str, gevent.Greenlet] = dataclasses.field(default_factory=dict)
+    cpu_marks: dict[str, tuple[float | None, float]] = dataclasses.field(default_factory=dict)
+    admin_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    load_stop: bool = False
+
+
+class FaultMatrix:
+    def __init__(self, opts: FaultOptions) -> None:
+        self.o = opts
+        try:
+            self.manifest: RunManifest = load_manifest(opts.manifest)
+            self.scenarios = load_scenarios(opts.scenarios, opts.only)
+            self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
+        except (ManifestError, FaultSpecError, MatrixError) as exc:
+            raise SystemExit(_invalid(str(exc))) from None
+        target = self.manifest.target
+        self.url = (opts.url or (target.url if target else "")).rstrip("/")
+        if not self.url:
+            raise SystemExit(_invalid("target: no --url and no target.url in the manifest"))
+        self.protocol = target.protocol if target else "llama"
+        self.model = target.model if target else None
+        self.run_dir = Path(opts.run_dir or Path("runs") / f"{self.manifest.run_id}")
+        known = {s.name for s in self.scenarios}
+        if opts.broken and opts.broken != ["all"]:
+            unknown = sorted(set(opts.broken) - known - {"all"})
+            if unknown:
+                raise SystemExit(_invalid(f"--broken: unknown scenario(s) {unknown}"))
+        self.api = TargetAPI(self.url, opts.admin_token, operator="calculet-load-faults")
+        self.references: dict[tuple[int, int, int], str | None] = {}
+        self.results: list[dict[str, Any]] = []
+        self.scale = 1.0
+        self.max_context = 40960
+        self.code = EXIT_OK
+
+    # ------------------------------------------------------------------ plumbing
+    def say(self, text: str) -> None:
+        if self.o.progress:
+            print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    def _broken(self, sc: FaultScenario) -> bool:
+        b = self.o.broken or []
+        return "all" in b or sc.name in b
+
+    def _session(self, timeout_s: float | None) -> Session:
+        key = None if timeout_s is None else round(timeout_s, 3)
+        if key not in self.sessions:
+            total = self.manifest.timeout_s if key is None else key
+            self.sessions[key] = _FaultSession(
+                self.ctx,
+                self.url,
+                self.protocol,
+                model=self.model,
+                max_in_flight=4096,
+                timeouts=Timeouts(connect_s=min(10.0, total), total_s=total, first_byte_s=total),
+                sink=self.sink,
+                ids=self.ids,
+            )
+        return self.sessions[key]
+
+    def _prompt(self, tokens: int, sample: int) -> Prompt:
+        return self.factory.prompt(tokens, sample)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        out = self.run_dir / "faults"
+        out.mkdir(parents=True, exist_ok=True)
+        self.events_path = out / "server_events.jsonl"
+        self.ctx = RunContext.from_manifest(self.manifest, self.o.worker)
+        self.sink = PartSink(str(out), self.o.worker)
+        self.ids = itertools.count(1)
+        self.sessions: dict[float | None, Session] = {}
+        tokenize = http_tokenizer(self.url)
+        self.factory = PromptFactory(
+            lambda body: off_loop(lambda: tokenize(body)),
+            mode="chat" if self.protocol == "openai-chat" else "ids",
+        )
+        started = time.time_ns()
+        try:
+            run_in_greenlet(self._all)
+        except _Infra as exc:
+            self.say(f"faults: infrastructure: {exc}")
+            self.code = EXIT_INFRA
+            self.infra_error: str | None = str(exc)
+        else:
+            self.infra_error = None
+        finally:
+            for s in self.sessions.values():
+                s.close()
+            self.sink.close()
+        self._write(started)
+        return self.code
+
+    def _all(self) -> None:
+        try:
+            status, body = self.api.json("GET", "/admin/faults")
+        except OSError as exc:
+            raise _Infra(f"target {self.url} unreachable: {exc}") from None
+        if status != 200:
+            hint = {
+                404: "the target has no fault API (start it with faults enabled)",
+                401: "no admin token (CALCULET_ADMIN_TOKEN)",
+                403: "the admin token was rejected",
+            }.get(status, str(body)[:200])
+            raise _Infra(f"GET /admin/faults: HTTP {status}: {hint}")
+        state = self.api.state()
+        self.scale = self.o.time_scale or float(state.get("time_scale") or 1.0)
+        try:
+            _, models = self.api.json("GET", "/v1/models")
+            self.max_context = int(models["data"][0].get("max_model_len") or self.max_context)
+        except (OSError, KeyError, IndexError, TypeError, ValueError):
+            pass
+        self.say(
+            f"fault matrix: {len(self.scenarios)} scenario(s) against {self.url} "
+            f"(time scale {self.scale:g}, max context {self.max_context})"
+        )
+        stopped = False
+        for sc in self.scenarios:
+            if sc.stops_target and not self.o.allow_stop:
+                self._skip(sc, "stops the target: runs only with --allow-stop (the last one)")
+                continue
+            if stopped:
+                self._skip(sc, "the target was stopped by an earlier scenario")
+                continue
+            result = self._scenario(sc)
+            self.results.append(result)
+            stopped = stopped or sc.stops_target
+            self.say(f"  {sc.name}: {result['verdict']} ({result['duration_s']:.1f} s)")
+            for ev in result["evidence"][:4]:
+                self.say(
+                    f"    FAILED {ev['check']}: expected {ev['expected']}, "
+                    f"observed {json.dumps(ev['observed'], default=str)[:300]}"
+                )
+            if result["verdict"] in (FAIL, ERROR):
+                self.code = EXIT_FAIL
+
+    def _skip(self, sc: FaultScenario, reason: str) -> None:
+        self.results.append(
+            {
+                "name": sc.name,
+                "section": sc.section,
+                "title": sc.title,
+                "verdict": SKIPPED,
+                "reason": reason,
+                "checks": [],
+                "evidence": [],
+                "duration_s": 0.0,
+            }
+        )
+        self.say(f"  {sc.name}: SKIPPED ({reason})")
+
+    # ------------------------------------------------------------------ a scenario
+    def _scenario(self, sc: FaultScenario) -> dict[str, Any]:
+        t0 = time.monotonic()
+        broken = self._broken(sc)
+        result: dict[str, Any] = {
+            "name": sc.name,
+            "section": sc.section,
+            "title": sc.title,
+            "target_fault": sc.target_fault,
+            "broken_rehearsal": broken,
+            "started_wall_ns": time.time_ns(),
+        }
+        run = _Run(sc, broken, Observation(scale=self.scale, slack_s=self.o.slack_s))
+        try:
+            self._prepare(run)
+        except (OSError, _ActionFailed, WorkloadError) as exc:
+            result.update(
+                verdict=ERROR,
+                reason=f"before the scenario: {exc}",
+                checks=[],
+                evidence=[],
+                duration_s=time.monotonic() - t0,
+            )
+            self.api.json("DELETE", "/admin/faults")
+            return result
+        self._load(run)
+        try:
+            for i, action in enumerate(sc.actions):
+                try:
+                    self._act(run, action)
+                except _ActionFailed as exc:
+                    run.obs.action_errors.append(f"#{i + 1} {action.kind}: {exc}")
+                    break
+                except (OSError, WorkloadError) as exc:
+                    run.obs.action_errors.append(f"#{i + 1} {action.kind}: {exc}")
+                    break
+        finally:
+            self._wind_down(run)
+        obs = run.obs
+        for r in obs.requests:
+            if r.key is not None:
+                r.reference = self.references.get(r.key)
+        checks, facts = judge(sc, obs)
+        verdict = PASS if all(c.ok for c in checks) else FAIL
+        with self.events_path.open("a", encoding="utf-8") as f:
+            for row in obs.events:
+                f.write(json.dumps({"scenario": sc.name, **row}) + "\n")
+        result.update(
+            verdict=verdict,
+            checks=[c.public() for c in checks],
+            evidence=[c.public() for c in checks if not c.ok],
+            facts=facts,
+            requests=[r.brief() for r in obs.requests],
+            request_summary=_summary(obs.requests),
+            admin_calls=run.admin_calls,
+            state_before=_state_brief(obs.state_before),
+            state_after=_state_brief(obs.state_after),
+            events=len(obs.events),
+            golden_after=(
+                None
+                if obs.golden_after is None
+                else {"passed": obs.golden_after[0], "detail": obs.golden_after[1]}
+            ),
+            duration_s=round(time.monotonic() - t0, 3),
+        )
+        return result
+
+    def _prepare(self, run: _Run) -> None:
+        """Faults cleared, the target ready and idle, references, the window opened."""
+        sc = run.sc
+        status, body = self.api.json("DELETE", "/admin/faults")
+        if status != 200:
+            raise _ActionFailed(f"DELETE /admin/faults: HTTP {status}: {body}")
+        st = self._wait_idle(30.0)
+        if st is None or st.get("state") != "ready":
+            state = st.get("state") if st else "unknown"
+            raise _ActionFailed(f"the target is not ready and idle (state {state})")
+        keys = set(_keys(sc))
+        self._references(keys)
+        self.api.skip_to_end("server_events")
+        run.obs.state_before = self.api.state()
+        run.served_calbin = run.obs.state_before.get("calbin_sha256")
+        if run.broken and not any(
+            a.arm is not None and a.arm.get("scenario") == sc.target_fault for a in sc.actions
+        ):
+            self._arm(run, {"scenario": sc.target_fault})
+
+    def _wait_idle(self, timeout_real_s: float) -> dict[str, Any] | None:
+        last: dict[str, Any] = {}
+
+        def idle() -> dict[str, Any] | None:
+            nonlocal last
+            last = self.api.state()
+            busy = (
+                last.get("queue", {}).get("waiting"),
+                last.get("sequences_active"),
+                last.get("jobs", {}).get("in_flight"),
+            )
+            return last if last.get("state") == "ready" and busy == (0, 0, 0) else None
+
+        got: dict[str, Any] | None = self.api.wait_until(idle, timeout_real_s, 0.02)
+        return got or last
+
+    def _references(self, keys: set[tuple[int, int, int]]) -> None:
+        todo = sorted(k for k in keys if k not in self.references)
+        if not todo:
+            return
+        jobs = [gevent.spawn(self._reference, k) for k in todo]
+        gevent.joinall(jobs)
+        for g in jobs:
+            if g.exception is not None:
+                raise g.exception
+
+    def _reference(self, key: tuple[int, int, int]) -> None:
+        p, sample, n = key
+        spec = RequestSpec(
+            prompt=self._prompt(p, sample),
+            max_tokens=n,
+            stream=False,
+            cell="fault:reference",
+            arrival="fault",
+        )
+        _, out = self._session(None).send(spec)
+        if out.ok and out.output_tokens == n:
+            self.references[key] = out.token_hash
+        else:
+            raise _ActionFailed(
+                f"reference request p{p}-s{sample}-o{n} failed: {out.http_status} {out.error_code}"
+            )
+
+    # ------------------------------------------------------------------ sending
+    def _send_one(
+        self,
+        run: _Run,
+        group: str,
+        prompt: Prompt,
+        max_tokens: int,
+        *,
+        key: tuple[int, int, int] | None,
+        stream: bool = True,
+        timeout_s: float | None = None,
+        case: str = "",
+    ) -> ReqObs:
+        req = ReqObs(group=group, key=key, case=case, max_tokens=max_tokens)
+        run.obs.requests.append(req)
+        me = gevent.getcurrent()
+        me.fault_req = req
+        spec = RequestSpec(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=stream,
+            cell=f"fault:{run.sc.name}:{group}",
+            arrival="fault",
+        )
+        session = self._session(None if timeout_s is None else self._real(timeout_s))
+        t0 = time.monotonic()
+        out: Outcome | None
+        try:
+            _, out = session.send(spec)
+        except gevent.GreenletExit as exc:  # the driver cut it: a client going away
+            out = getattr(exc, "outcome", None)
+        req.elapsed_s = time.monotonic() - t0
+        req.rid = getattr(me, "fault_request_id", None)
+        if out is not None:
+            req.rid = out.request_id
+            req.status = out.http_status
+            req.error_type = out.error_code
+            req.error_class = out.error_class
+            req.tokens = out.output_tokens
+            req.token_hash = out.token_hash
+            req.nonfinite = out.nonfinite
+        return req
+
+    def _real(self, target_s: float) -> float:
+        return target_s * self.scale + self.o.slack_s
+
+    def _spawn(self, run: _Run, group: str, fn: Callable[[], Any]) -> gevent.Greenlet:
+        g = gevent.spawn(fn)
+        run.background.setdefault(group, []).append(g)
+        return g
+
+    def _load(self, run: _Run) -> None:
+        spec = run.sc.load
+        if spec is None or spec.concurrency == 0:
+            return
+        pause = max(spec.pause_after_error_s * self.scale, 0.005)
+
+        def user(u: int) -> None:
+            for k in itertools.count(u):
+                if run.load_stop:
+                    return
+                sample = 100 + k % spec.samples
+                key = (spec.prompt_tokens, sample, spec.max_tokens)
+                prompt = self._prompt(spec.prompt_tokens, sample)
+                req = self._send_one(
+                    run, "load", prompt, spec.max_tokens, key=key, stream=spec.stream
+                )
+                if not req.ok:
+                    gevent.sleep(pause)
+
+        for u in range(spec.concurrency):
+            self._spawn(run, "load", functools.partial(user, u))
+
+    # ------------------------------------------------------------------ actions
+    def _act(self, run: _Run, a: Action) -> None:
+        kind = a.kind
+        if a.arm is not None:
+            self._arm(run, dict(a.arm))
+        elif a.clear is not None:
+            path = "/admin/faults" if a.clear == "all" else f"/admin/faults?scenario={a.clear}"
+            self._admin(run, "DELETE", path, None, None)
+        elif a.send is not None:
+            self._do_send(run, a.send)
+        elif a.illegal is not None:
+            self._do_illegal(run, a.illegal)
+        elif a.cancel is not None:
+            self._do_cancel(run, a.cancel)
+        elif a.wait is not None:
+            jobs = run.background.get(a.wait, [])
+            if not jobs:
+                raise _ActionFailed(f"no background requests in group {a.wait!r}")
+            gevent.joinall(jobs, timeout=self.manifest.timeout_s)
+            if not all(g.dead for g in jobs):
+                raise _ActionFailed(f"group {a.wait!r} still running after the timeout")
+        elif a.wait_state is not None:
+            self._wait_state(run, a.wait_state)
+        elif a.wait_event is not None:
+            self._wait_event(run, a.wait_event)
+        elif a.wait_admin is not None:
+            g = run.admin_bg.get(a.wait_admin)
+            if g is None:
+                raise _ActionFailed(f"no background admin call {a.wait_admin!r}")
+            g.join(timeout=self.manifest.timeout_s)
+            if not g.dead:
+                raise _ActionFailed(f"admin call {a.wait_admin!r} did not answer")
+        elif a.sleep is not None:
+            gevent.sleep(a.sleep * self.scale)
+        elif a.admin is not None:
+            body = _substitute(a.admin.body, run.served_calbin)
+            label = a.admin.label or a.admin.path
+            if a.admin.background:
+                adm = a.admin
+                run.admin_bg[label] = gevent.spawn(
+                    self._admin, run, adm.method, adm.path, body, label
+                )
+                gevent.sleep(0)
+            else:
+                self._admin(run, a.admin.method, a.admin.path, body, label)
+        elif a.health is not None:
+            run.obs.admin[a.health] = self.api.health()
+        elif a.cpu_start is not None:
+            run.cpu_marks[a.cpu_start] = (self._cpu(), time.monotonic())
+        elif a.cpu_stop is not None:
+            cpu0, t0 = run.cpu_marks.get(a.cpu_stop, (None, time.monotonic()))
+            cpu1, t1 = self._cpu(), time.monotonic()
+            share = None if cpu0 is None or cpu1 is None or t1 <= t0 else (cpu1 - cpu0) / (t1 - t0)
+            run.obs.cpu_share[a.cpu_stop] = share
+        else:  # pragma: no cover - the schema allows no other action
+            raise _ActionFailed(f"unknown action {kind}")
+
+    def _cpu(self) -> float | None:
+        for name in ("calculet_process_cpu_seconds_total", "calculet_process_cpu_seconds",
+                     "process_cpu_seconds_total"):  # fmt: skip
+            value = self.api.metric(name)
+            if value is not None:
+                return value
+        return None
+
+    def _admin(
+        self, run: _Run, method: str, path: str, body: Any, label: str | None
+    ) -> tuple[int, Any]:
+        wall = time.time_ns()
+        status, answer = self.api.json(method, path, body)
+        run.admin_calls.append(
+            {
+                "wall_ns": wall,
+                "method": method,
+                "path": path,
+                "body": body,
+                "status": status,
+                "answer": answer,
+                "seconds": round((time.time_ns() - wall) / 1e9, 4),
+            }
+        )
+        if label is not None:
+            run.obs.admin[label] = (status, answer)
+        return status, answer
+
+    def _arm(self, run: _Run, spec: dict[str, Any]) -> None:
+        if run.broken and spec.get("scenario") == run.sc.target_fault:
+            spec["broken"] = True
+        status, answer = self._admin(run, "POST", "/admin/faults", spec, None)
+        if status != 200:
+            raise _ActionFailed(f"arm {spec}: HTTP {status}: {answer}")
+
+    def _do_send(self, run: _Run, s: Send) -> None:
+        n = s.n
+        if s.n_from is not None:
+            value = get_path(self.api.state(), s.n_from)
+            if not isinstance(value, int):
+                raise _ActionFailed(f"n_from {s.n_from}: not a number in /admin/state")
+            n = value + s.plus
+        items = []
+        for i in range(n):
+            sample = s.sample + (i if s.distinct else 0)
+            items.append((self._prompt(s.prompt_tokens, sample), (s.prompt_tokens, sample)))
+
+        def one(prompt: Prompt, key: tuple[int, int]) -> None:
+            ref = (*key, s.max_tokens) if s.reference else None
+            self._send_one(
+                run, s.group, prompt, s.max_tokens, key=ref, stream=s.stream, timeout_s=s.timeout_s
+            )
+
+        if s.sequential:
+
+            def all_in_turn() -> None:
+                for prompt, key in items:
+                    one(prompt, key)
+
+            jobs = [self._spawn(run, s.group, all_in_turn)]
+        else:
+            jobs = [self._spawn(run, s.group, functools.partial(one, p, k)) for p, k in items]
+        gevent.sleep(0)  # every request is on its way before the next action
+        if not s.background:
+            gevent.joinall(jobs)
+
+    def _illegal_prompt(self, n: int) -> Prompt:
+        """A prompt of exactly n tokens (0 and over the context included)."""
+        if n <= 0:
+            return Prompt("illegal:empty", 0, "" if self.factory.mode == "chat" else [])
+        if self.factory.mode == "chat":
+            from calculet_load.workload import sample_words
+
+            return Prompt("illegal:over", n, " ".join(sample_words(0, 0, n)))
+        base = self._prompt(min(n, 4096), 0).payload
+        assert isinstance(base, list)
+        ids = (base * (n // len(base) + 1))[:n]
+        return Prompt(f"illegal:{n}", n, ids)
+
+    def _do_illegal(self, run: _Run, s: Illegal) -> None:
+        m = self.max_context
+        cases: dict[str, tuple[int, int]] = {
+            "empty_prompt": (0, 4),
+            "zero_output": (8, 0),
+            "max_plus_1": (m - 4, 5),
+            "prompt_over": (m + 1, 1),
+            "uint32_overflow": (8, 2**32 + 8),
+            "uint32_max": (8, UINT32_MAX),
+            "negative_output": (8, -1),
+        }
+        for case in s.cases:
+            p, n = cases[case]
+            prompt = self._illegal_prompt(p)
+            send = functools.partial(
+                self._send_one, run, s.group, prompt, n, key=None, stream=False,
+                timeout_s=s.timeout_s, case=case,
+            )  # fmt: skip
+            g = self._spawn(run, s.group, send)
+            g.join()
+
+    def _do_cancel(self, run: _Run, group: str) -> None:
+        jobs = [g for g in run.background.get(group, []) if not g.dead]
+        if not jobs:
+            raise _ActionFailed(f"nothing of group {group!r} in flight to cancel")
+        for g in jobs:
+            req = getattr(g, "fault_req", None)
+            if isinstance(req, ReqObs):
+                req.cancelled = True
+                req.cancel_wall_ns = time.time_ns()
+            g.kill(block=False)
+        gevent.joinall(jobs, timeout=10)
+
+    def _wait_state(self, run: _Run, w: WaitState) -> None:
+        before = run.obs.state_before
+        last: dict[str, Any] = {}
+
+        def holds() -> bool:
+            nonlocal last
+            last = self.api.state()
+            v = get_path(last, w.path)
+            if w.eq is not None and v != w.eq:
+                return False
+            if w.ne is not None and v == w.ne:
+                return False
+            num = v if isinstance(v, int | float) and not isinstance(v, bool) else None
+            if w.ge is not None and (num is None or num < w.ge):
+                return False
+            if w.le is not None and (num is None or num > w.le):
+                return False
+            if w.ge_path is not None:
+                other = get_path(last, w.ge_path)
+                if num is None or not isinstance(other, int | float) or num < other:
+                    return False
+            if w.delta_ge is not None:
+                b = get_path(before, w.path)
+                if num is None or not isinstance(b, int | float) or num - b < w.delta_ge:
+                    return False
+            return True
+
+        if not self.api.wait_until(holds, self._real(w.timeout_s) + 2.0):
+            cond = w.model_dump(exclude_none=True, exclude={"timeout_s"})
+            raise _ActionFailed(
+                f"state {cond} not reached within {w.timeout_s:g} target s; "
+                f"{w.path} = {get_path(last, w.path)!r}, state {last.get('state')!r}"
+            )
+
+    def _window_rows(self, run: _Run) -> list[dict[str, Any]]:
+        run.obs.events += self.api.trace_rows("server_events")
+        return run.obs.events
+
+    def _wait_event(self, run: _Run, w: WaitEvent) -> None:
+        from calculet_load.faultcheck import detail_matches
+
+        def found() -> bool:
+            rids = None
+            if w.group is not None:
+                rids = {r.rid for r in run.obs.requests if r.group == w.group and r.rid}
+            return any(
+                r["event"] == w.event
+                and detail_matches(r, w.detail)
+                and (rids is None or r.get("request_id") in rids)
+                for r in self._window_rows(run)
+            )
+
+        if not self.api.wait_until(found, self._real(w.timeout_s) + 2.0, 0.05):
+            raise _ActionFailed(f"no {w.event} event within {w.timeout_s:g} target s")
+
+    # ------------------------------------------------------------------ the end
+    def _wind_down(self, run: _Run) -> None:
+        run.load_stop = True
+        pending = [g for jobs in run.background.values() for g in jobs]
+        gevent.joinall(pending, timeout=max(self._real(60.0), 5.0))
+        for g in pending:
+            if not g.dead:  # still running: cut (recorded as cancelled by the client)
+                req = getattr(g, "fault_req", None)
+                if isinstance(req, ReqObs):
+                    req.cancelled = True
+                    req.cancel_wall_ns = time.time_ns()
+                g.kill(block=True, timeout=10)
+        for g in run.admin_bg.values():
+            g.join(timeout=max(self._real(60.0), 5.0))
+        try:
+            self.api.json("DELETE", "/admin/faults")
+            if not run.sc.stops_target:
+                self._wait_idle(max(self._real(120.0), 5.0))
+            gevent.sleep(self.o.settle_s)
+            run.obs.state_after = self.api.state()
+            self._collect(run)
+            if run.sc.invariants.recovered and not run.sc.stops_target:
+                run.obs.golden_after = self._golden_after(run)
+        except OSError as exc:
+            run.obs.action_errors.append(f"after the scenario: target unreachable: {exc}")
+
+    def _collect(self, run: _Run) -> None:
+        """Read events until every request the server accepted has a terminal event."""
+
+        def complete() -> bool:
+            rows = self._window_rows(run)
+            accepted = {r["request_id"] for r in rows if r["event"] == "accepted"}
+            ended = {r["request_id"] for r in rows if r["event"] in TERMINAL_EVENTS}
+            return accepted <= ended
+
+        self.api.wait_until(complete, 5.0, 0.1)
+
+    def _golden_after(self, run: _Run) -> tuple[bool, str]:
+        """The scenario's references again, and the golden set: all must match."""
+        failures = []
+        checked = 0
+        keys = sorted({r.key for r in run.obs.requests if r.key is not None} | set(_keys(run.sc)))
+        for key in keys:
+            p, sample, n = key
+            spec = RequestSpec(
+                prompt=self._prompt(p, sample),
+                max_tokens=n,
+                stream=False,
+                cell="fault:golden_after",
+                arrival="fault",
+            )
+            _, out = self._session(None).send(spec)
+            checked += 1
+            if not out.ok:
+                failures.append(f"p{p}-s{sample}-o{n}: {out.http_status} {out.error_code}")
+            elif out.token_hash != self.references.get(key):
+                failures.append(f"p{p}-s{sample}-o{n}: output differs from the reference")
+        for case in self.golden.cases if self.golden else []:
+            spec = RequestSpec(
+                prompt=self._prompt(case.prompt_tokens, case.sample),
+                max_tokens=case.max_tokens,
+                stream=False,
+                temperature=case.temperature,
+                seed=case.seed,
+                cell=f"fault:golden:{case.name}",
+                arrival="fault",
+            )
+            _, out = self._session(None).send(spec)
+            checked += 1
+            if not out.ok:
+                failures.append(f"golden {case.name}: {out.http_status} {out.error_code}")
+            elif case.token_hash is not None and out.token_hash != case.token_hash:
+                failures.append(f"golden {case.name}: token hash {str(out.token_hash)[:12]}…")
+        if failures:
+            return False, f"{len(failures)}/{checked} failed: " + "; ".join(failures[:4])
+        return True, f"{checked} request(s) matched"
+
+    # ------------------------------------------------------------------ output
+    def document(self) -> dict[str, Any]:
+        counts = {
+            v: sum(r["verdict"] == v for r in self.results) for v in (PASS, FAIL, ERROR, SKIPPED)
+        }
+        return {
+            "schema": FAULTS_SCHEMA,
+            "run_id": self.manifest.run_id,
+            "target": self.url,
+            "time_scale": self.scale,
+            "slack_s": self.o.slack_s,
+            "broken_rehearsal": self.o.broken or [],
+            "infrastructure_error": getattr(self, "infra_error", None),
+            "summary": counts,
+            "exit_code": self.code,
+            "scenarios": self.results,
+        }
+
+    def _write(self, started_wall_ns: int) -> None:
+        doc = {
+            "started_wall_ns": started_wall_ns,
+            "ended_wall_ns": time.time_ns(),
+            **self.document(),
+        }
+        tmp = self.run_dir / "faults.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.replace(self.run_dir / "faults.json")
+
+
+def _keys(sc: FaultScenario) -> Iterator[tuple[int, int, int]]:
+    """The (prompt tokens, sample, max tokens) of every send of the scenario (not the
+    illegal ones): each gets a reference output."""
+    for a in sc.actions:
+        s = a.send
+        if s is not None and s.reference:
+            # a burst sized from the target's state gets one reference per distinct sample
+            n = s.n if s.n_from is None else 1
+            for i in range(n if s.distinct else 1):
+                yield (s.prompt_tokens, s.sample + i, s.max_tokens)
+    if sc.load is not None and sc.load.concurrency:
+        for i in range(sc.load.samples):
+            yield (sc.load.prompt_tokens, 100 + i, sc.load.max_tokens)
+
+
+def _substitute(body: dict[str, Any] | None, calbin: str | None) -> dict[str, Any] | None:
+    if body is None:
+        return None
+    return {k: (calbin if v == "$served_calbin" else v) for k, v in body.items()}
+
+
+def _summary(reqs: list[ReqObs]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in reqs:
+        label = "ok" if r.ok else f"{r.status}:{r.error_type}"
+        if r.cancelled:
+            label = "cancelled"
+        g = out.setdefault(r.group, {})
+        g[label] = g.get(label, 0) + 1
+    return out
+
+
+def _state_brief(st: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "state",
+        "generation",
+        "calbin_sha256",
+        "reset_count",
+        "slots",
+        "queue",
+        "kv",
+        "buffer_pool",
+        "jobs",
+        "isolated_shapes",
+    )
+    return {k: st.get(k) for k in keys if k in st}
+
+
+def _invalid(message: str) -> int:
+    print(f"faults: {message}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+# ---------------------------------------------------------------------- accept step
+def run_accept_step(pipeline: Any) -> None:
+    """The fault matrix as a step of `calculet-load accept` (after the matrix, before
+    golden after; `--faults DIR`). Every scenario runs on the target under test, except
+    one that stops it. A failed scenario makes the run a correctness failure (exit 1)
+    and the run goes on to golden after (the recovery check); an invalid scenario file
+    stops the run with exit 2, a target without a fault API with exit 3."""
+    from calculet_load.pipeline import Stop
+
+    o = pipeline.o
+    log = pipeline.log
+    scenarios = o.extra.get("faults")
+    log.write("faults", "start", scenarios=scenarios,
+              broken_rehearsal=os.environ.get("CALCULET_FAULTS_BROKEN"))  # fmt: skip
+    # rehearsals against the simulator only: arm these scenarios' faults broken
+    broken = [x for x in os.environ.get("CALCULET_FAULTS_BROKEN", "").split(",") if x] or None
+    opts = FaultOptions(
+        manifest=o.manifest, scenarios=scenarios, url=pipeline.url,
+        run_dir=str(pipeline.run_dir), golden=o.golden, admin_token=o.admin_token,
+        progress=o.progress, broken=broken,
+    )  # fmt: skip
+    try:
+        fm = FaultMatrix(opts)
+    except SystemExit:
+        log.write("faults", "end", code=EXIT_INVALID)
+        raise Stop(EXIT_INVALID, f"faults: invalid scenarios in {scenarios}") from None
+    code = fm.run()
+    doc = fm.document()
+    failed = [r["name"] for r in fm.results if r["verdict"] in (FAIL, ERROR)]
+    log.write("faults", "end", code=code, summary=doc["summary"], failed=failed,
+              file="faults.json")  # fmt: skip
+    if code == EXIT_INFRA:
+        raise Stop(EXIT_INFRA, f"faults: {doc['infrastructure_error']}")
+    if code == EXIT_FAIL:
+        pipeline.code = 1
+        pipeline.notes.append(f"faults: {len(failed)} scenario(s) failed: {', '.join(failed)}")
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", required=True, help="run manifest YAML")
+    p.add_argument(
+        "--scenarios",
+        default="configs/faults",
+        help="a scenario file or a folder of them (default configs/faults)",
+    )
+    p.add_argument("--url", help="target URL (default: the manifest's target.url)")
+    p.add_argument("--run-dir", help="run folder (default: runs/<run_id>)")
+    p.add_argument("--golden", help="golden set YAML: run after each scenario's recovery")
+    p.add_argument("--only", help="comma-separated scenario names to run")
+    p.add_argument(
+        "--broken",
+        help="rehearsal against the simulator: arm these scenarios' faults in their broken "
+        "mode (comma-separated names or 'all'); their verdicts must be FAIL",
+    )
+    p.add_argument(
+        "--allow-stop",
+        action="store_true",
+        help="also run scenarios that stop the target (shutdown), last",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        help="real seconds per target second (default: /admin/state time_scale)",
+    )
+    p.add_argument(
+        "--slack-s",
+        type=float,
+        default=0.5,
+        help="real seconds allowed on top of every scaled time bound",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    token = os.environ.get("CALCULET_ADMIN_TOKEN")
+    if not token:
+        print("faults: CALCULET_ADMIN_TOKEN is not set: the admin API needs it", file=sys.stderr)
+        return EXIT_INFRA
+    opts = FaultOptions(
+        manifest=args.manifest,
+        scenarios=args.scenarios,
+        url=args.url,
+        run_dir=args.run_dir,
+        golden=args.golden,
+        admin_token=token,
+        only=[s for s in (args.only or "").split(",") if s] or None,
+        broken=[s for s in (args.broken or "").split(",") if s] or None,
+        allow_stop=args.allow_stop,
+        time_scale=args.time_scale,
+        slack_s=args.slack_s,
+        progress=not args.quiet,
+    )
+    try:
+        fm = FaultMatrix(opts)
+    except SystemExit as exc:
+        return int(exc.code or EXIT_INVALID)
+    code = fm.run()
+    doc = fm.document()
+    s = doc["summary"]
+    print(
+        f"faults: {s[PASS]} pass, {s[FAIL]} fail, {s[ERROR]} error, {s[SKIPPED]} skipped; "
+        f"exit {code}; {fm.run_dir / 'faults.json'}"
+    )
+    return code

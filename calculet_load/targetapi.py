@@ -1,0 +1,143 @@
+"""Blocking HTTP calls to the target's admin, health, metrics and trace endpoints, run in
+gevent's thread pool so that the event loop (and every request it is timing) keeps going.
+
+Used by the fault matrix, the soak and the capacity search.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import gevent
+
+T = TypeVar("T")
+
+
+def off_loop(fn: Callable[[], T]) -> T:
+    """Run a blocking call in gevent's thread pool (inside a gevent loop)."""
+    result: T = gevent.get_hub().threadpool.apply(fn)
+    return result
+
+
+class TargetAPI:
+    """The target's non-generation endpoints: `/admin/*` (with the bearer token),
+    `/health`, `/metrics`, `/traces/{kind}?offset=N`."""
+
+    def __init__(
+        self,
+        url: str,
+        admin_token: str | None = None,
+        *,
+        operator: str = "calculet-load",
+        timeout_s: float = 120.0,
+    ) -> None:
+        parts = urlsplit(url)
+        self.url = url.rstrip("/")
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.token = admin_token
+        self.operator = operator
+        self.timeout_s = timeout_s
+        self.offsets: dict[str, int] = {}
+
+    def _call(
+        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes, dict[str, str]]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
+        headers = {"X-Operator": self.operator}
+        if path.startswith("/admin/") and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, raw, {k.lower(): v for k, v in resp.getheaders()}
+        finally:
+            conn.close()
+
+    def call(
+        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """(status, body bytes, headers); raises OSError when the target is unreachable."""
+        return off_loop(lambda: self._call(method, path, body, timeout_s))
+
+    def json(
+        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> tuple[int, Any]:
+        status, raw, _ = self.call(method, path, body, timeout_s)
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw[:300].decode("utf-8", "replace")
+
+    def state(self) -> dict[str, Any]:
+        status, body = self.json("GET", "/admin/state")
+        if status != 200 or not isinstance(body, dict):
+            raise OSError(f"/admin/state: HTTP {status}: {str(body)[:200]}")
+        return body
+
+    def health(self) -> tuple[int, Any]:
+        return self.json("GET", "/health")
+
+    def metrics_text(self) -> str:
+        status, raw, _ = self.call("GET", "/metrics", timeout_s=30)
+        if status != 200:
+            raise OSError(f"/metrics: HTTP {status}")
+        return raw.decode("utf-8", "replace")
+
+    def metric(self, name: str) -> float | None:
+        """One unlabelled sample of the Prometheus text (None when absent)."""
+        for line in self.metrics_text().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                try:
+                    return float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    return None
+        return None
+
+    def trace_bytes(self, kind: str) -> bytes:
+        """The new complete lines of a trace since the last call (offsets kept per kind)."""
+        offset = self.offsets.get(kind, 0)
+        status, raw, _ = self.call("GET", f"/traces/{kind}?offset={offset}", timeout_s=60)
+        if status != 200:
+            raise OSError(f"/traces/{kind}: HTTP {status}")
+        end = raw.rfind(b"\n") + 1  # a line still being written is read next time
+        self.offsets[kind] = offset + end
+        return raw[:end]
+
+    def trace_rows(self, kind: str) -> list[dict[str, Any]]:
+        """The new complete rows of a trace since the last call, parsed."""
+        rows = []
+        for line in self.trace_bytes(kind).splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+        return rows
+
+    def skip_to_end(self, kind: str) -> None:
+        """Start reading a trace from its current end (the bytes are read once)."""
+        self.trace_rows(kind)
+
+    def wait_until(
+        self, pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.01
+    ) -> Any:
+        """Poll pred() (may block, may raise OSError) until truthy; None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = pred()
+            if value:
+                return value
+            if time.monotonic() >= deadline:
+                return None
+            gevent.sleep(interval_s)

@@ -1,0 +1,78 @@
+"""Capacity search (spec §14.3) against a simulator profile with a known saturation
+point: B1, one request = one prefill job of fixed size and no jitter, so the device
+serves exactly one request per service time T and the stable max QPS is 1/T."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from calculet_load.capacity import SLA, _p99, load_sla
+from calculet_sim.profile import load_profile
+from tests.conftest import REPO
+from tests.simproc import ADMIN_TOKEN, SimProcess
+
+StartSim = Callable[..., SimProcess]
+PROFILE = [
+    "timing.prefill_base_ms=400",  # a long device job: the simulator's own overhead is small
+    "timing.jitter=0",
+    "timing.warmup_requests=0",
+]
+PROMPT, OUTPUT = 16, 1  # one prefill job per request, no decode step
+
+
+def service_time_ms() -> float:
+    """T of one request from the profile: the host phases and the prefill's device time
+    (spec: prefill_base + per_token * P + per_token_sq * P^2), then D2H and sampling."""
+    p = load_profile(None, PROFILE)
+    t, n = p.timing, PROMPT
+    host = t.prepare_ms + t.h2d_base_ms + t.h2d_ms_per_mtoken * n / 1e6 + t.bf16_ms
+    device = t.prefill_base_ms + t.prefill_per_token_ms * n + t.prefill_per_token_sq_ms * n * n
+    return host + device + t.d2h_ms + t.sampling_ms_per_lane
+
+
+def test_capacity_search_finds_the_saturation_point(start_sim: StartSim, tmp_path: Path) -> None:
+    args = [a for kv in PROFILE for a in ("--set", kv)]
+    sim = start_sim("--time-scale", "0.1", *args, faults=True)
+    expected = 1000.0 / service_time_ms()  # req per target second (~2.49)
+    env = {**os.environ, "CALCULET_ADMIN_TOKEN": ADMIN_TOKEN}
+    cmd = [sys.executable, "-m", "calculet_load.cli", "capacity",
+           "--manifest", str(REPO / "configs" / "manifest.sim.yaml"), "--url", sim.url,
+           "--run-dir", str(tmp_path), "--start-rate", "1", "--max-rate", "8",
+           "--window-s", "60", "--prompt-tokens", str(PROMPT), "--max-tokens", str(OUTPUT),
+           "--arrival", "constant"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "capacity.json").read_text())
+    found = doc["stable_max_qps"]
+    assert abs(found - expected) / expected <= 0.10, (found, expected, proc.stdout)
+    assert doc["first_unstable_qps"] > found and doc["time_scale"] == 0.1 and doc["rehearsal"]
+    curve = {w["rate"]: w for w in doc["curve"]}
+    assert curve[1.0]["stable"] and curve[2.0]["stable"] and not curve[4.0]["stable"]
+    # above saturation the backlog grows and the served rate stays at ~1/T
+    over = curve[4.0]["metrics"]
+    assert over["backlog_growth"] > 10
+    assert abs(over["served_rate"] - expected) / expected < 0.15
+    assert "stable max" in proc.stdout and "capacity curve" in proc.stdout
+    assert list(tmp_path.glob("client/w00/part-*.requests.parquet"))
+
+
+def test_sla_file_and_options(tmp_path: Path) -> None:
+    path = tmp_path / "sla.yaml"
+    path.write_text("sla: {max_reject_rate: 0.05, max_queue_p99_ms: 250}\n")
+    sla = load_sla(str(path), {"max_e2e_p99_ms": 900.0, "max_ttft_p99_ms": None})
+    assert sla == SLA(max_reject_rate=0.05, max_queue_p99_ms=250, max_e2e_p99_ms=900)
+    path.write_text("sla: {max_reject_rate: 2}\n")
+    with pytest.raises(ValueError, match="max_reject_rate"):
+        load_sla(str(path), {})
+    assert _p99([float(x) for x in range(1, 101)]) == 100.0
+    assert _p99([3.0]) == 3.0 and _p99([]) is None
+
+
+pytestmark = pytest.mark.timeout(500)
