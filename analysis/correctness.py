@@ -81,6 +81,13 @@ def _golden(rule: GoldenRule, ctx: Context) -> list[RuleVerdict]:
             ref.update(_majority(bkeys, bhash))
             source = "the baseline run's golden hashes (this run's majority where it has none)"
     expected = np.array([ref.get(str(k), "") for k in keys], dtype=object)
+    pinned = ctx.candidate.run.golden  # the golden set's own expected hashes win
+    if pinned:
+        cells = column_np(t.column("ext.cell"), "", object)[rows]
+        expected = np.array(
+            [pinned.get(str(c), e) for c, e in zip(cells, expected, strict=True)], dtype=object
+        )
+        source = "the golden set's expected hashes (golden.json)"
     passed = ok & (hashes == expected)
     rate = float(np.count_nonzero(passed)) / rows.size
     ids = column_np(t.column("request_id"), "", object)[rows]

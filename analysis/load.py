@@ -164,6 +164,7 @@ class RunData:
     index: dict[str, Any] | None = None
     manifest: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None
+    golden: dict[str, str] = field(default_factory=dict)  # golden.json: cell -> hash
     network_breaks: list[NetworkBreak] = field(default_factory=list)
     client_offsets_ns: dict[str, int] = field(default_factory=dict)
     server_offset_ns: int = 0
@@ -451,6 +452,9 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
         manifest = _check_versioned(doc, mpath, MANIFEST_SCHEMA)
     ppath = _path(root, "plan.json")
     plan = _read_json(fs, ppath) if _exists(fs, ppath) else None
+    gpath = _path(root, "golden.json")
+    golden_doc = _read_json(fs, gpath) if _exists(fs, gpath) else None
+    golden = _golden_expected(golden_doc, gpath)
     client_offsets, server_offset = _offsets(index, fs, root)
     return RunData(
         uri=uri,
@@ -464,11 +468,29 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
         index=index,
         manifest=manifest,
         plan=plan if isinstance(plan, dict) else None,
+        golden=golden,
         network_breaks=_read_breaks(fs, root),
         client_offsets_ns=client_offsets,
         server_offset_ns=server_offset,
         notes=notes,
     )
+
+
+def _golden_expected(doc: Any, where: str) -> dict[str, str]:
+    """`golden.json` (written by `accept`): the golden set's expected token hash per golden
+    cell, e.g. {"cases": [{"cell": "golden_before:short", "token_hash": "..."}]}."""
+    if doc is None:
+        return {}
+    cases = doc.get("cases") if isinstance(doc, dict) else None
+    if not isinstance(cases, list):
+        raise ArtifactError(f"{where}: cases: expected a list")
+    out: dict[str, str] = {}
+    for i, case in enumerate(cases):
+        if not (isinstance(case, dict) and isinstance(case.get("cell"), str)
+                and isinstance(case.get("token_hash"), str)):  # fmt: skip
+            raise ArtifactError(f"{where}: cases.{i}: needs a cell and a token_hash string")
+        out[case["cell"]] = case["token_hash"]
+    return out
 
 
 def load_run(uri: str, *, progress: Progress | None = None) -> RunData:

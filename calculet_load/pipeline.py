@@ -295,6 +295,14 @@ class Pipeline:
             self.log.write(step, "skipped", reason="no golden set given")
             return
         self.log.write(step, "start", cases=len(self.golden.cases))
+        expected = [
+            {"cell": f"{prefix}:{c.name}", "token_hash": c.token_hash}
+            for prefix in ("golden_before", "golden_after")
+            for c in self.golden.cases
+            if c.token_hash is not None
+        ]
+        if expected:  # the analysis judges golden records against these, not a majority
+            (self.run_dir / "golden.json").write_text(json.dumps({"cases": expected}, indent=1))
         failures = []
         recorded = []
         for case in self.golden.cases:

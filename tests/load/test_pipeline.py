@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from calculet_load.pipeline import Options, Pipeline
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = str(REPO / ".venv" / "bin" / "calculet-load")
+CLI = [sys.executable, "-m", "calculet_load.cli"]  # the `calculet-load` command
 SIM_MANIFEST = yaml.safe_load((REPO / "configs" / "manifest.sim.yaml").read_text())
 CALBIN = str(SIM_MANIFEST["model"]["calbin_sha256"])
 GOLDEN = REPO / "configs" / "golden" / "sim.yaml"
@@ -288,8 +289,12 @@ def test_a_failed_golden_stops_the_run_with_exit_1(
     assert not (run_dir / "plan.json").exists()
     cells = {r["cell"] for r in _records(run_dir)}
     assert cells == {f"golden_before:{c}" for c in ("short", "medium", "long-prompt", "one-token")}
-    # the analysis and the signed bundle still ran: the evidence of the stop is kept
-    assert (run_dir / "verdict.json").exists()
+    # the analysis and the signed bundle still ran: the evidence of the stop is kept, and
+    # the signed verdict itself says the golden set failed (judged against golden.json)
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    golden = [v for v in verdict["verdicts"] if v["rule"] == "golden"]
+    assert golden and golden[0]["status"] == "fail", golden
+    assert verdict["exit_code"] == 1
     _assert_bundle_verifies(run_dir, accept_env)
 
 
@@ -323,7 +328,7 @@ def test_a_bad_manifest_exits_2_with_one_line_naming_the_field(
 
     # the same through the installed command, as a user types it
     proc = subprocess.run(
-        [CLI, "accept", "--manifest", str(bad)], capture_output=True, text=True, timeout=60
+        [*CLI, "accept", "--manifest", str(bad)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "model.calbin_sha256" in proc.stderr
@@ -361,6 +366,9 @@ def test_a_calbin_hash_mismatch_exits_2(
 
 
 # ------------------------------------------------------------------ 4 starved client
+@pytest.mark.skipif(
+    not (shutil.which("taskset") and shutil.which("nice")), reason="needs taskset and nice"
+)
 def test_a_client_starved_of_cpu_is_infrastructure_invalid_exit_3(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
@@ -378,7 +386,7 @@ def test_a_client_starved_of_cpu_is_infrastructure_invalid_exit_3(
         {"kind": "single", "prompt_tokens": 128, "max_tokens": 16},
     ]
     args = _accept(_manifest(tmp_path, sim.url), _matrix(tmp_path, cells), run_dir)
-    cmd = ["nice", "-n", "10", "taskset", "-c", "0", CLI, *args, "--skip-report"]
+    cmd = ["nice", "-n", "10", "taskset", "-c", "0", *CLI, *args, "--skip-report"]
     cmd += ["--min-repetitions", "15"]
     log = tmp_path / "accept.log"
     with log.open("wb") as log_file:
@@ -500,7 +508,7 @@ def test_a_killed_run_resumes_without_repeating_finished_cells(
     log = tmp_path / "attempt1.log"
     with log.open("wb") as log_file:
         first = subprocess.Popen(
-            [CLI, *args], stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(signing_key)
+            [*CLI, *args], stdout=log_file, stderr=subprocess.STDOUT, env=_child_env(signing_key)
         )
     procs.append(first)
 
@@ -591,11 +599,6 @@ def _failed(run_dir: Path) -> dict[str, str]:
     return {v["rule"]: v["class"] for v in verdicts if v["status"] == "fail"}
 
 
-def _infrastructure_only(run_dir: Path) -> bool:
-    failed = _failed(run_dir)
-    return bool(failed) and set(failed.values()) == {"infrastructure"}
-
-
 @pytest.mark.parametrize(("broken", "expected"), [(None, 0), ("nan", 1)])
 def test_the_demo_ends_with_a_signed_report(
     broken: str | None, expected: int, tmp_path: Path, procs: list[subprocess.Popen[Any]]
@@ -603,7 +606,7 @@ def test_the_demo_ends_with_a_signed_report(
     """The README's first command (time-scaled further and with fewer repetitions, to
     fit the test suite), run as a user runs it, from another directory."""
     runs = tmp_path / "runs"
-    cmd = [CLI, "demo", "--runs-dir", str(runs), "--time-scale", SCALE, "--repetitions", "5"]
+    cmd = [*CLI, "demo", "--runs-dir", str(runs), "--time-scale", SCALE, "--repetitions", "5"]
     cmd += ["--broken", broken] if broken else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("CALCULET_")}
     # a key the environment names is not the demo's: the demo signs with the one it prints
@@ -613,12 +616,19 @@ def test_the_demo_ends_with_a_signed_report(
     )
     procs.append(proc)
     out, _ = proc.communicate(timeout=240)
-    run_dirs = [p for p in runs.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    if proc.returncode == 3 and expected == 0 and _infrastructure_only(run_dirs[0]):
+    run_dirs = sorted(p for p in runs.glob("demo-*") if p.is_dir())
+    if proc.returncode == 3 and run_dirs and (run_dirs[0] / "verdict.json").exists():
         # The demo judges with the default rules: on this shared 2-core machine, other
-        # processes can starve its client, which it then rightly calls invalid.
+        # processes can starve its client, which it then rightly calls invalid (exit 3
+        # comes before 1 and 4). What else the verdict says must still hold.
+        failed = _failed(run_dirs[0])
+        assert "infrastructure" in failed.values(), (failed, out)
+        if expected == 0:
+            assert set(failed.values()) == {"infrastructure"}, failed
+        else:
+            assert "no_nonfinite" in failed, failed
         _assert_bundle_verifies(run_dirs[0], runs / "demo-signing-key.pem.pub")
-        pytest.skip(f"the machine's load saturated the demo's client: {_failed(run_dirs[0])}")
+        pytest.skip(f"the machine's load saturated the demo's client: {failed}")
     assert proc.returncode == expected, out
     (run_dir,) = [p for p in runs.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert f"run folder: {run_dir}" in out
@@ -629,9 +639,8 @@ def test_the_demo_ends_with_a_signed_report(
     assert _events(run_dir)[-1] == {**_events(run_dir)[-1], "step": "run", "code": expected}
     _assert_bundle_verifies(run_dir, runs / "demo-signing-key.pem.pub")
     assert not list(runs.glob(".*"))  # the simulator's traces and manifest were cleaned up
-    if broken == "nan":
-        failed = {v["rule"] for v in _verdict(run_dir)["verdicts"] if v["status"] == "fail"}
-        assert "no_nonfinite" in failed
+    if broken == "nan":  # the counter-example: NaN in a response
+        assert "no_nonfinite" in _failed(run_dir)
 
 
 # ------------------------------------------------------------------ §6.1 matrix
