@@ -48,7 +48,7 @@ from calculet_load.matrix import Cell, GoldenSet, Matrix, MatrixError, load_gold
 from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
-from calculet_load.session import RequestSpec, RunContext, Session
+from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.sink import PartSink
 from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_tokenizer
 
@@ -306,15 +306,8 @@ class Pipeline:
         failures = []
         recorded = []
         for case in self.golden.cases:
-            spec = RequestSpec(
-                prompt=self._prompt(case.prompt_tokens, case.sample),
-                max_tokens=case.max_tokens,
-                temperature=case.temperature,
-                seed=case.seed,
-                cell=f"{step}:{case.name}",
-                concurrency=1,
-                arrival="single",
-            )
+            prompt = self._prompt(case.prompt_tokens, case.sample)
+            spec = golden_spec(case, prompt, f"{step}:{case.name}")
             record, _ = run_in_greenlet(functools.partial(self.session.send, spec))
             got = record.result.token_hash
             if record.ext.error_class is not None:

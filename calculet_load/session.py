@@ -105,6 +105,19 @@ class RequestSpec:
         return "greedy" if self.temperature == 0 else "seeded"
 
 
+def golden_spec(case: Any, prompt: Prompt, cell: str) -> RequestSpec:
+    """The request of one golden case (a `calculet_load.matrix.GoldenCase`)."""
+    return RequestSpec(
+        prompt=prompt,
+        max_tokens=case.max_tokens,
+        temperature=case.temperature,
+        seed=case.seed,
+        cell=cell,
+        concurrency=1,
+        arrival="single",
+    )
+
+
 def clock_complete(ns: ClientNs, tokens: int, ok: bool, wall_anchor: int | None) -> bool:
     """Every stamp the request's outcome requires is present and in order."""
     if wall_anchor is None or not ok:

@@ -49,7 +49,7 @@ from calculet_load.matrix import MatrixError, load_golden
 from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
-from calculet_load.session import RequestSpec, RunContext, Session
+from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.sink import PartSink
 from calculet_load.targetapi import TargetAPI, off_loop
 from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
@@ -485,15 +485,8 @@ class Soak:
         assert self.golden is not None
         failures = []
         for case in self.golden.cases:
-            spec = RequestSpec(
-                prompt=self._prompt(case.prompt_tokens, case.sample),
-                max_tokens=case.max_tokens,
-                temperature=case.temperature,
-                seed=case.seed,
-                cell=f"golden_{when}:{case.name}",
-                concurrency=1,
-                arrival="single",
-            )
+            prompt = self._prompt(case.prompt_tokens, case.sample)
+            spec = golden_spec(case, prompt, f"golden_{when}:{case.name}")
             _, out = self.session.send(spec)
             if out.error_class is not None:
                 failures.append(f"{case.name}: {out.http_status} {out.error_code}")
