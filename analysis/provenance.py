@@ -122,6 +122,42 @@ def banner(rv: RunView) -> Banner:
         for r in v.get("verdicts") or []:
             if r.get("status") in ("fail", "inconclusive"):
                 failing.append((str(r.get("rule")), str(r.get("status")), str(r.get("reason"))))
+    faults = rv.files.read_json("faults.json")
+    if isinstance(faults, dict) and isinstance(faults.get("exit_code"), int):
+        fcode = int(faults["exit_code"])
+        summary = faults.get("summary") or {}
+        facts.append(
+            (
+                "fault matrix (faults.json)",
+                f"exit code {fcode}; " + ", ".join(f"{fmt_int(n)} {k}" for k, n in summary.items()),
+            )
+        )
+        for sc in faults.get("scenarios") or []:
+            if isinstance(sc, dict) and str(sc.get("verdict")).upper() in ("FAIL", "ERROR"):
+                failing.append(
+                    (
+                        f"fault scenario {sc.get('name')}",
+                        str(sc.get("verdict")).lower(),
+                        "; ".join(str(e.get("check")) for e in sc.get("evidence") or [])[:300]
+                        or str(sc.get("reason") or ""),
+                    )
+                )
+        if v is None:
+            run_id = str(faults.get("run_id") or run_id)
+        # a failed fault matrix fails the folder, as a pipeline stopped for correctness
+        # does (its 1 wins over the analysis' code); its 2 or 3 only replaces a pass
+        if fcode != 0 and (v is None or code in (None, 0) or (fcode == 1 and code != 1)):
+            code = fcode
+            headline, text, css = EXIT_MEANINGS.get(code, ("?", "unknown exit code", "invalid"))
+            meaning = f"{text}; the fault matrix (faults.json) exited {fcode}" + (
+                "; this folder has no verdict.json (no performance records were analysed)"
+                if v is None
+                else ""
+            )
+        elif v is None and code is None:
+            code = fcode
+            headline, text, css = EXIT_MEANINGS.get(code, ("?", "unknown exit code", "invalid"))
+            meaning = f"{text}; the fault matrix (faults.json) exited {fcode}; no verdict.json"
     if stop_reason:
         facts.append(("pipeline stopped", stop_reason))
     if stop_code is not None:

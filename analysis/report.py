@@ -140,6 +140,7 @@ def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
         loadcurves.batch_section(rv),
         timelines.device_section(rv),
         timelines.selfwatch_section(rv),
+        timelines.server_section(rv),
         timelines.soak_section(rv),
         timelines.faults_section(rv),
         provenance.signature_section(rv),

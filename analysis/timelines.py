@@ -1,6 +1,8 @@
 """Report sections over time: the device timeline under load (temperature, power,
 frequency, throttling), the client's self-watch (loop lag, CPU: a saturated client is
-visible), resource trends for soaks (spec §13), and the fault matrix (spec §12).
+visible), the server's runtime series and process as the harness sampled them (spec
+§10.2, §10.3: server/metrics.jsonl, server/process.jsonl), resource trends for soaks
+(spec §13), and the fault matrix (spec §12).
 
 Series are downsampled to at most `MAX_POINTS` per line by time buckets that keep each
 bucket's extreme (hottest, highest lag, lowest frequency), so a spike survives it.
@@ -39,6 +41,7 @@ __all__ = [
     "faults_section",
     "run_window",
     "selfwatch_section",
+    "server_section",
     "soak_section",
 ]
 
@@ -337,6 +340,123 @@ def selfwatch_section(rv: RunView) -> Section:
     return s
 
 
+# (panel label, [(series name in server/metrics.jsonl, line label)]): labelled variants
+# of a series are summed; a panel is drawn when the server exposed any of its series.
+_SERVER_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("jobs and sequences", (("calculet_jobs_in_flight", "jobs in flight"),
+                            ("calculet_jobs_pending", "jobs pending"),
+                            ("calculet_requests_queued", "requests queued"),
+                            ("calculet_sequences_active", "sequences active"))),
+    ("KV tokens", (("calculet_kv_allocated_tokens", "allocated"),
+                   ("calculet_kv_quarantined_tokens", "quarantined"))),
+    ("output buffer pool", (("calculet_buffer_pool_leased", "leased"),
+                            ("calculet_buffer_pool_free", "free"),
+                            ("calculet_buffer_pool_quarantine", "quarantine"))),
+)  # fmt: skip
+_PROCESS_PANELS: tuple[tuple[str, str, float], ...] = (
+    ("rss_bytes", "server RSS MiB", 1 / 2**20),
+    ("cpu_percent", "server CPU %", 1.0),
+    ("threads", "server threads", 1.0),
+    ("fds", "server open FDs", 1.0),
+)
+
+
+def _scrape_series(rows: list[dict[str, Any]]) -> tuple[F, dict[str, F]]:
+    """Wall ns of each successful scrape and every unlabelled series name's value
+    (labelled variants summed; a missing or null value is NaN, never 0)."""
+    ok = [r for r in rows if r.get("ok") and isinstance(r.get("samples"), dict)]
+    wall = np.array([float(r.get("wall_ns") or np.nan) for r in ok], dtype=np.float64)
+    wanted = {name for _, series in _SERVER_PANELS for name, _ in series}
+    out = {name: np.full(len(ok), np.nan) for name in wanted}
+    for i, r in enumerate(ok):
+        for key, value in r["samples"].items():
+            name = str(key).split("{", 1)[0]
+            if name in out and isinstance(value, int | float):
+                cur = out[name][i]
+                out[name][i] = float(value) if np.isnan(cur) else cur + float(value)
+    return wall, out
+
+
+def server_section(rv: RunView) -> Section:
+    """The server's runtime series (its /metrics, scraped by the harness into
+    server/metrics.jsonl) and its process (server/process.jsonl) over the run."""
+    s = Section("server", "Server runtime and process over the run (spec §10.2, §10.3)")
+    mrows = rv.files.read_jsonl("server/metrics.jsonl") or []
+    prows = [
+        r
+        for r in rv.files.read_jsonl("server/process.jsonl") or []
+        if r.get("alive") and isinstance(r.get("wall_ns"), int)
+    ]
+    if not mrows and not prows:
+        return s.empty(
+            "no server/metrics.jsonl or server/process.jsonl: the harness did not sample the "
+            "server's /metrics or process during the run (Locust --scrape-interval)"
+        )
+    panels: list[plots.Panel] = []
+    rows: list[tuple[str, ...]] = []
+    walls = []
+    mwall, series = _scrape_series(mrows)
+    pwall = np.array([float(r["wall_ns"]) for r in prows], dtype=np.float64)
+    for w in (mwall, pwall):
+        if w.size and np.isfinite(w).any():
+            walls.append(w[np.isfinite(w)])
+    ref = np.concatenate(walls) if walls else np.zeros(0)
+
+    def add(label: str, named: list[tuple[str, F, F]], source: str) -> None:
+        lines = []
+        for line_label, wall, y in named:
+            ok = np.isfinite(y) & np.isfinite(wall)
+            if not ok.any():
+                continue
+            x, _ = _axis(rv, wall[ok], ref)
+            bx, by = bucket(x, y[ok])
+            lines.append(plots.Line(line_label, bx.tolist(), by.tolist()))
+            v = y[ok]
+            first, last, peak = (fmt_num(float(a)) for a in (v[0], v[-1], v.max()))
+            rows.append((source, f"{label}: {line_label}", fmt_int(int(v.size)), first, last, peak))
+        if lines:
+            panels.append(plots.Panel(label, lines))
+
+    for label, named in _SERVER_PANELS:
+        add(label, [(ll, mwall, series[name]) for name, ll in named], "metrics.jsonl")
+    for field, label, scale in _PROCESS_PANELS:
+        y = np.array(
+            [float(r[field]) * scale if isinstance(r.get(field), int | float) else np.nan
+             for r in prows], dtype=np.float64,
+        )  # fmt: skip
+        add(label, [(field, pwall, y)], "process.jsonl")
+    failed = sum(1 for r in mrows if not r.get("ok"))
+    s.intro.append(
+        f"{fmt_int(len(mrows))} scrapes of the server's /metrics (server/metrics.jsonl"
+        + (f", {fmt_int(failed)} failed" if failed else "")
+        + f") and {fmt_int(len(prows))} samples of its process (server/process.jsonl), "
+        "taken by the harness while the run went on; each line keeps each time bucket's "
+        "maximum. Values the server did not expose are gaps, never 0."
+    )
+    if not panels:
+        return s.empty(
+            "server/metrics.jsonl and server/process.jsonl hold no readable value of the "
+            "series this section draws"
+        )
+    x_label = _axis(rv, ref)[1] if ref.size else "seconds since the run started"
+    s.figures.append(
+        figure(
+            plots.timeseries_figure(panels, xlabel=x_label),
+            "server runtime (from /metrics) and process (RSS, CPU, threads, FDs) over the run",
+            name="server",
+        )
+    )
+    s.tables.append(
+        table(
+            ("file", "series", "samples", "first", "last", "max"),
+            rows,
+            name="server-series",
+            numeric=(False, False, True, True, True, True),
+        )
+    )
+    return s
+
+
 def _nanmax(v: F) -> float | None:
     return float(np.nanmax(v)) if np.isfinite(v).any() else None
 
@@ -510,6 +630,9 @@ def faults_section(rv: RunView) -> Section:
             row_class=classes,
         )
     )
+    fig = _fault_requests_figure(doc["scenarios"])
+    if fig is not None:
+        s.figures.append(fig)
     for sc in doc["scenarios"]:
         checks = [c for c in sc.get("checks") or [] if isinstance(c, dict)]
         if not checks:
@@ -540,6 +663,49 @@ def faults_section(rv: RunView) -> Section:
 
 
 _MAX_CHECKS = 60
+_MAX_FAULT_POINTS = 5000
+
+
+def _fault_requests_figure(scenarios: list[Any]) -> Figure | None:
+    """Every scenario request's latency in the order the matrix sent them, by outcome
+    (faults.json `requests`: status, error, latency_s), scenario names on the axis."""
+    by: dict[str, tuple[list[float], list[float]]] = {}
+    ticks: list[tuple[float, str]] = []
+    n = 0
+    for sc in scenarios:
+        reqs = [r for r in (sc.get("requests") or []) if isinstance(r, dict)]
+        if reqs:
+            ticks.append((float(n + 1), str(sc.get("name"))))
+        for r in reqs:
+            n += 1
+            lat = r.get("latency_s")
+            if not isinstance(lat, int | float) or n > _MAX_FAULT_POINTS:
+                continue
+            status = r.get("status")
+            outcome = (
+                "ok"
+                if status == 200 and not r.get("error")
+                else f"HTTP {status}"
+                if isinstance(status, int)
+                else "no response"
+            )
+            xs, ys = by.setdefault(outcome, ([], []))
+            xs.append(float(n))
+            ys.append(float(lat) * 1e3)
+    if not by:
+        return None
+    lines = [
+        plots.Line(
+            f"{k} ({len(v[0]):,})", v[0], v[1], style="none", marker="o" if k == "ok" else "x"
+        )
+        for k, v in sorted(by.items(), key=lambda kv: kv[0] != "ok")
+    ]
+    title = "scenario requests: " + ", ".join(f"{name} from #{x:g}" for x, name in ticks[:12])
+    return figure(
+        plots.curve_figure([(title[:160], "request # (in the order sent)", lines)]),
+        "every fault-scenario request's latency (ms) by outcome",
+        name="fault-requests",
+    )
 
 
 def _brief(v: Any) -> str:

@@ -90,6 +90,10 @@ class Output(_Strict):
     eos_probability: float = Field(default=0.0, ge=0, le=1)
     model_alias: str = "qwen3"
     model_name: str = "calculet-sim-qwen3"
+    # As vLLM and OpenAI do: a request naming another model than model_name or
+    # model_alias gets 404 `model_not_found`, its message naming the requested model.
+    # Off by default: the simulator serves whatever model a request names.
+    reject_unknown_models: bool = False
 
 
 class Device(_Strict):

@@ -113,6 +113,11 @@ class Sim:
                 )
             except Reject as exc:
                 raise Reject(exc.status, exc.code, exc.message) from None
+            out = self.profile.output
+            if out.reject_unknown_models and req.model not in (
+                None, out.model_name, out.model_alias
+            ):  # fmt: skip
+                raise Reject(404, "model_not_found", f"The model `{req.model}` does not exist.")
             if self.profile.firehose:
                 return await self._firehose(request, req, opts)
             eng = self.engine

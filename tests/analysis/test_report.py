@@ -442,7 +442,7 @@ REPORT_API = {
     "loadcurves": ["batch_section", "capacity_section", "curves_section", "offered_rates",
                    "shapes"],
     "timelines": ["MAX_POINTS", "bucket", "device_section", "faults_section", "run_window",
-                  "selfwatch_section", "soak_section"],
+                  "selfwatch_section", "server_section", "soak_section"],
 }  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -132,3 +133,20 @@ def test_malformed_request_id_is_replaced(fast_sim: SimProcess) -> None:
         "POST", LLAMA, {"prompt": "x", "n_predict": 0}, headers={"X-Request-Id": "bad id;<>"}
     )
     assert status == 400 and "x-request-id" not in headers
+
+
+def test_unknown_model_is_refused_only_when_asked(
+    fast_sim: SimProcess, start_sim: Callable[..., SimProcess]
+) -> None:
+    body = {"prompt": "x", "max_tokens": 1, "model": "<b>other</b>"}
+    ok, _, raw = fast_sim.request("POST", COMPLETIONS, body)
+    assert ok == 200, raw  # by default any model name is served
+    strict = start_sim("--time-scale", "0.02", "--set", "output.reject_unknown_models=true")
+    got, _, raw = strict.request("POST", COMPLETIONS, body)
+    assert got == 404, raw
+    err = json.loads(raw)["error"]
+    assert err["type"] == "model_not_found"
+    assert err["message"] == "The model `<b>other</b>` does not exist."  # echoed as sent
+    for name in ("qwen3", "calculet-sim-qwen3", None):
+        ok, _, raw = strict.request("POST", COMPLETIONS, {**body, "model": name})
+        assert ok == 200, (name, raw)
