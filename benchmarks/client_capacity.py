@@ -64,8 +64,8 @@ from calculet_load.session import RequestSpec, RunContext, make_record
 from calculet_load.sink import PartSink
 from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
 
-# /work/shared/research/peer-clients.md: "the bar is ≥ 160 req/s ≈ 10k token events/s
-# per worker core at TTFT p99 error ≤ 10 ms (twice the best tool) ... and the goal is
+# The project's research notes (peer-clients.md): "the bar is ≥ 160 req/s ≈ 10k token
+# events/s per worker core at TTFT p99 error ≤ 10 ms (twice the best tool) ... and the goal is
 # the reference client's 20k events/s" (a 250-line asyncio client, at 64% of its core).
 PEER_BAR_EV_S = 10_000
 PEER_GOAL_EV_S = 20_000
@@ -493,7 +493,7 @@ def print_firehose(levels: list[Level], ref: Reference, args: argparse.Namespace
 
 def print_peer(traced: list[Level], raw: Level | None) -> None:
     print(
-        f"Peer bar (/work/shared/research/peer-clients.md): ≥ {PEER_BAR_EV_S:,} token events/s "
+        f"Peer bar (the research notes, peer-clients.md): ≥ {PEER_BAR_EV_S:,} token events/s "
         "per worker core at TTFT p99 error ≤ 10 ms,"
     )
     print(
