@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,11 +176,22 @@ def _open(browser: Any, run: Path, shot: Path) -> dict[str, Any]:
     browser.get_log("browser")  # drop what an earlier page left
     browser.get_log("performance")
     browser.get((run / "report.html").as_uri())
-    charts = browser.execute_script("return document.querySelectorAll('svg.plot').length")
-    drawn = browser.execute_script(
+    charts_js = (
+        "return document.readyState === 'complete' ? "
+        "document.querySelectorAll('svg.plot').length : -1"
+    )
+    charts = browser.execute_script(charts_js)
+    drawn_js = (
         "return Array.from(document.querySelectorAll('svg.plot'))"
         ".filter(s => s.getBoundingClientRect().width > 100 && s.querySelector('path')).length"
     )
+    # a large page may still be laying out when get() returns: wait (bounded) for it
+    deadline = time.monotonic() + 15
+    drawn = browser.execute_script(drawn_js)
+    while drawn != charts and time.monotonic() < deadline:
+        time.sleep(0.2)
+        charts = browser.execute_script(charts_js)
+        drawn = browser.execute_script(drawn_js)
     assert charts >= 1 and drawn == charts
     assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
     errors = [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
