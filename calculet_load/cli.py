@@ -107,7 +107,17 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+def _distributed_accept(argv: list[str]) -> bool:
+    """`accept --workers N` or `--master`: the run is a Locust master."""
+    flags = ("--workers", "--master")
+    return argv[:1] == ["accept"] and any(a.split("=")[0] in flags for a in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if _distributed_accept(sys.argv[1:] if argv is None else argv):
+        # Locust monkey-patches the standard library when imported: before anything else
+        import locust  # noqa: F401
+
     parser = argparse.ArgumentParser(
         prog="calculet-load", description="Load generator and acceptance harness for Calculet"
     )

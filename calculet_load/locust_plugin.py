@@ -834,6 +834,9 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         runner.register_message("calculet_burst", _on_burst_msg)
         runner.register_message("calculet_target", _on_target_msg)
         runner.register_message("calculet_stop", _on_stop_msg)
+        from calculet_load import locust_cells
+
+        locust_cells.install_worker(runner)  # the shares of a distributed `accept`
     if isinstance(runner, MasterRunner):
         runner.register_message("calculet_parts", _on_parts_msg)
     if environment.web_ui is not None:

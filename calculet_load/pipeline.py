@@ -23,6 +23,7 @@ matrix's load shapes are those of the Locust users (closed, open loop, burst).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -39,15 +40,22 @@ from pathlib import Path
 from typing import Any
 
 import gevent
-import gevent.pool
 
-from calculet_load.arrivals import RateClock, Schedule
+from calculet_load.cellrun import (
+    BURST_GAP_S,
+    BURST_LEAD_S,
+    OPEN_LEAD_S,
+    CellRunner,
+    FleetError,
+    Share,
+    split,
+)
 from calculet_load.client import Timeouts, run_in_greenlet
 from calculet_load.clock import clock_provenance
 from calculet_load.matrix import Cell, GoldenSet, Matrix, MatrixError, load_golden, load_matrix
 from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
-from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
+from calculet_load.selfwatch import SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.sink import PartSink
 from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_tokenizer
@@ -84,6 +92,12 @@ class Options:
     resume: bool = False
     skip_report: bool = False
     progress: bool = True
+    workers: int = 0  # start this many local Locust worker processes
+    master: bool = False  # wait for `expect_workers` remote Locust workers
+    expect_workers: int = 1
+    master_bind_host: str = "*"
+    master_bind_port: int = 5557
+    workers_timeout_s: float = 120.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +109,22 @@ class EventLog:
         row = {"wall_ns": time.time_ns(), "step": step, "status": status, **detail}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row, default=str) + "\n")
+
+
+class InProcess:
+    """The pipeline's own process as the run's one client."""
+
+    processes = 1
+
+    def __init__(self, runner: CellRunner) -> None:
+        self.runner = runner
+
+    def run_step(self, step: list[Share | None], job: dict[str, Any], lead_s: float) -> int:
+        share = step[0]
+        assert share is not None
+        self.runner.prepare(share)
+        share = dataclasses.replace(share, start_wall_ns=time.time_ns() + int(lead_s * 1e9))
+        return run_in_greenlet(lambda: self.runner.run(share))
 
 
 class Pipeline:
@@ -118,6 +148,7 @@ class Pipeline:
         self.code = EXIT_OK
         self.notes: list[str] = []
         self.sampler: Any = None
+        self.fleet: Any = None  # calculet_load.locust_cells.Fleet in a distributed run
 
     # --------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -160,6 +191,7 @@ class Pipeline:
         )
         self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
         self.watch.start()
+        self.clients: Any = InProcess(CellRunner(self.session, self._prompt))
         self.prompts: dict[tuple[int, int], Prompt] = {}
         tokenize = http_tokenizer(self.url)
         self.factory = PromptFactory(
@@ -175,6 +207,8 @@ class Pipeline:
         finally:
             if self.sampler is not None:
                 self.sampler.stop()
+            if self.fleet is not None:
+                self._close_fleet()
             self.watch.stop()
             self.session.close()
             self.sink.close()
@@ -189,6 +223,7 @@ class Pipeline:
             self.log.write("run", "start", run_id=self.manifest.run_id, target=self.url)
             (self.run_dir / "manifest.yaml").write_text(Path(self.o.manifest).read_text())
             self._release()
+            self._start_fleet()
             self._idle()
             self._golden("golden_before")
             self._warmup()
@@ -197,6 +232,7 @@ class Pipeline:
             self.log.write("run", "resume", attempt=self.plan["attempts"])
             self.say(f"resuming {self.run_dir} (attempt {self.plan['attempts']})")
             self._release()
+            self._start_fleet()
         self._matrix()
         # --- issue 8: the fault matrix of §12 (calculet_load/faults.py), with --faults ---
         if self.o.extra.get("faults"):
@@ -248,6 +284,42 @@ class Pipeline:
             self.notes.append("release: no admin token, the served calbin was not checked")
         self.log.write("release", "end", checked=checked, health=health.get("status"))
         self.say(f"release verified ({', '.join(checked) or 'manifest only'})")
+
+    # --------------------------------------------------------------- workers
+    def _start_fleet(self) -> None:
+        """A distributed run: become the Locust master of the client processes."""
+        o = self.o
+        if not (o.workers or o.master):
+            return
+        from calculet_load.locust_cells import Fleet
+
+        expect = o.workers or o.expect_workers
+        self.fleet = Fleet(
+            self.run_dir,
+            expect=expect,
+            local=o.workers,
+            bind_host="127.0.0.1" if o.workers else o.master_bind_host,
+            bind_port=_free_port() if o.workers else o.master_bind_port,
+            suffix=self.worker[len("w00") :],
+            say=self.say,
+        )
+        self.log.write(
+            "workers", "start", expect=expect, local=o.workers, port=self.fleet.bind_port
+        )
+        try:
+            self.fleet.start(o.workers_timeout_s)
+        except FleetError as exc:
+            raise Stop(EXIT_INFRA, f"workers: {exc}") from None
+        self.clients = self.fleet
+        self.log.write("workers", "end", workers=list(self.fleet.names.values()))
+
+    def _close_fleet(self) -> None:
+        reports = self.fleet.finish(self.manifest.run_id)
+        self.fleet.close()
+        missing = [r["worker"] for r in reports if r.get("status") == "missing"]
+        self.log.write("workers", "closed", missing=missing)
+        if missing:
+            self.notes.append(f"workers {', '.join(missing)} did not report at the end")
 
     # --------------------------------------------------------------- 2 idle
     def _idle(self) -> None:
@@ -399,7 +471,11 @@ class Pipeline:
             self._save_plan()
             self.log.write("cell", "start", cell=cell.name)
             self.say(f"cell {n}/{len(todo)} {cell.name}: {entry['repetitions']} request(s)")
-            sent = self._run_cell(cell, entry["repetitions"], int(entry["seed"]))
+            try:
+                sent = self._run_cell(cell, entry["repetitions"], int(entry["seed"]))
+            except FleetError as exc:  # the cell stays "running": a resume runs it again
+                code = EXIT_INFRA if exc.infra else EXIT_INVALID
+                raise Stop(code, f"{cell.name}: {exc}") from None
             self.sink.flush()  # the cell's records are on disk before it counts as done
             entry["status"], entry["requests"] = "done", sent
             entry["ended_wall_ns"] = time.time_ns()
@@ -411,100 +487,24 @@ class Pipeline:
 
     def _run_cell(self, cell: Cell, reps: int, seed: int) -> int:
         mix = load_mix(cell.mix) if cell.mix else single(cell.prompt_tokens, cell.max_tokens)
-        chooser = mix.chooser(seed)
-
-        def spec(k: int, **kw: Any) -> RequestSpec:
-            entry, sample = chooser.entry_for(k)
-            return RequestSpec(
-                prompt=self._prompt(entry.prompt_tokens, sample),
-                max_tokens=entry.max_tokens,
-                stream=cell.stream and entry.stream,
-                temperature=cell.temperature,
-                seed=seed if cell.temperature > 0 else None,
-                cell=cell.name,
-                **kw,
-            )
-
-        # Every prompt the cell will use, built before its first request: a /tokenize
-        # round trip inside the schedule would make the arrivals after it late.
-        count = cell.rounds * cell.size if cell.kind == "burst" else reps
-        for k in range(count):
-            entry, sample = chooser.entry_for(k)
-            self._prompt(entry.prompt_tokens, sample)
-        if cell.kind in ("single", "boundary"):
-            for k in range(reps):
-                s = spec(k, concurrency=1, arrival="single")
-                run_in_greenlet(functools.partial(self.session.send, s))
-            return reps
-        # Concurrent shapes: every prompt is built before the first send. Tokenizing
-        # runs on a thread; meanwhile it holds the GIL from the loop, which would delay
-        # the sends and stamps of the requests in flight (seen as send lag).
-        arrivals = cell.rounds * cell.size if cell.kind == "burst" else reps
-        for entry in mix.entries:
-            for sample in range(min(entry.samples, arrivals)):
-                self._prompt(entry.prompt_tokens, sample)
-        if cell.kind == "closed":
-            return run_in_greenlet(lambda: self._closed(cell, reps, spec))
-        if cell.kind == "open":
-            return run_in_greenlet(lambda: self._open(cell, reps, seed, spec))
-        return run_in_greenlet(lambda: self._burst(cell, spec))
-
-    def _closed(self, cell: Cell, reps: int, spec: Any) -> int:
-        counter = iter(range(reps))
-
-        def user() -> None:
-            for k in counter:
-                self.session.send(spec(k, concurrency=cell.concurrency, arrival="closed"))
-
-        gevent.joinall([gevent.spawn(user) for _ in range(cell.concurrency)])
-        return reps
-
-    def _open(self, cell: Cell, reps: int, seed: int, spec: Any) -> int:
-        clock = RateClock(cell.rate, 1)
-        sched = Schedule(cell.arrival, seed, clock, burstiness=cell.burstiness)
-        pool = gevent.pool.Pool(cell.max_in_flight)
-        origin = time.monotonic_ns() + 200_000_000
-        for _ in range(reps):
-            nxt = sched.next_for(0)
-            if nxt is None:
-                break
-            k, unit = nxt
-            t = clock.time_of(unit)
-            assert t is not None
-            due = origin + t
-            s = spec(k, arrival=cell.arrival, intended_start_ns=due, late_after_ms=5.0)
-            remaining = (due - time.monotonic_ns()) / 1e9
-            if remaining > TIMER_SLACK_S:
-                gevent.sleep(remaining - TIMER_SLACK_S)
-            while time.monotonic_ns() < due:
-                gevent.sleep(0)
-            if pool.full():
-                self.session.record_dropped(s, f"in-flight cap {cell.max_in_flight} full")
-            else:
-                pool.spawn(self.session.send, s)
-        pool.join()
-        return reps
-
-    def _burst(self, cell: Cell, spec: Any) -> int:
+        steps = split(cell, mix, reps, seed, self.clients.processes)
+        lead = OPEN_LEAD_S if cell.kind == "open" else BURST_LEAD_S
         sent = 0
-        for r in range(cell.rounds):
-            self.session.pool.prewarm(cell.size)
-            specs = [spec(r * cell.size + i) for i in range(cell.size)]
-            due = time.monotonic_ns() + 100_000_000
-            while (left := (due - time.monotonic_ns()) / 1e9) > TIMER_SLACK_S:
-                gevent.sleep(left - TIMER_SLACK_S)
-            while time.monotonic_ns() < due:
-                gevent.sleep(0)
-            burst_id = f"{self.manifest.run_id}.{cell.name}.{r:03d}"
-            jobs = []
-            for s in specs:
-                fields = {**_spec_fields(s), "arrival": "burst", "burst_id": burst_id}
-                fields.update(intended_start_ns=due, concurrency=cell.size)
-                jobs.append(gevent.spawn(self.session.send, RequestSpec(**fields)))
-            gevent.joinall(jobs)
-            sent += len(jobs)
-            gevent.sleep(0.2)
+        for r, step in enumerate(steps):
+            if cell.kind == "burst":
+                if r:
+                    gevent.sleep(BURST_GAP_S)
+                burst_id = f"{self.manifest.run_id}.{cell.name}.{r:03d}"
+                step = [s and dataclasses.replace(s, burst_id=burst_id) for s in step]
+            sent += self.clients.run_step(step, self._job(), lead)
         return sent
+
+    def _job(self) -> dict[str, Any]:
+        """What a worker of a distributed run needs to send on this run's behalf."""
+        ctx = dataclasses.asdict(RunContext.from_manifest(self.manifest, self.worker))
+        target = {"url": self.url, "protocol": self.protocol, "model": self.model,
+                  "timeout_s": self.manifest.timeout_s}  # fmt: skip
+        return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
 
     # --------------------------------------------------------------- 7 resources
     def _resources(self) -> None:
@@ -551,24 +551,26 @@ class Pipeline:
         self._sign()
 
     def _write_index(self) -> None:
-        """`client/index.json`: this process as the run's one worker, with its clock."""
-        parts = sorted(
-            f"{p.parent.name}/{p.name}" for p in (self.run_dir / "client").glob("*/part-*.parquet")
-        )
+        """`client/index.json`: every worker folder with its parts, host and clock (a
+        Locust worker's from its `worker.json`; this process's own otherwise)."""
+        client = self.run_dir / "client"
+        workers = []
+        for folder in sorted(p for p in client.glob("*") if p.is_dir()):
+            parts = sorted(p.name for p in folder.glob("part-*.parquet"))
+            info = folder / "worker.json"
+            if info.exists():
+                entry = json.loads(info.read_text())
+            else:
+                entry = {"host": socket.gethostname(), "pid": os.getpid(), **clock_provenance()}
+            workers.append({**entry, "worker": folder.name, "status": "reported", "parts": parts})
         index = {
             "schema": "calculet-client-index/v1",
             "run_id": self.manifest.run_id,
             "status": "complete",
             "source": "calculet-load accept",
             "target": self.url,
-            "workers": [
-                {"worker": w, "host": socket.gethostname(), "pid": os.getpid(),
-                 "status": "reported",
-                 "parts": [p.split("/", 1)[1] for p in parts if p.startswith(w + "/")],
-                 **clock_provenance()}
-                for w in sorted({p.split("/")[0] for p in parts})
-            ],
-        }  # fmt: skip
+            "workers": workers,
+        }
         (self.run_dir / "client" / "index.json").write_text(json.dumps(index, indent=1))
 
     def _collect_traces(self) -> None:
@@ -636,16 +638,18 @@ class Pipeline:
         return self.prompts[key]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _optional(module: str, name: str) -> Any:
     """A function of a part that may not be in this build (None then)."""
     try:
         return getattr(importlib.import_module(module), name, None)
     except ImportError:
         return None
-
-
-def _spec_fields(s: RequestSpec) -> dict[str, Any]:
-    return {f: getattr(s, f) for f in s.__dataclass_fields__}
 
 
 def _device_sample(text: str) -> tuple[float, float, float] | None:
@@ -716,10 +720,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fault scenarios (a file or folder, e.g. configs/faults): run the "
         "fault matrix after the matrix, before golden after (needs CALCULET_ADMIN_TOKEN)",
     )
+    dist = p.add_argument_group(
+        "distributed (the pipeline as the Locust master of its client processes)"
+    )
+    dist.add_argument(
+        "--workers", type=int, default=0,
+        help="start N local Locust worker processes and send the matrix from them",
+    )  # fmt: skip
+    dist.add_argument(
+        "--master", action="store_true",
+        help="wait for --expect-workers remote workers: `locust -f locustfiles/calculet.py "
+        "--worker --master-host THIS_HOST` on each client host",
+    )  # fmt: skip
+    dist.add_argument("--expect-workers", type=int, default=1, help="with --master")
+    dist.add_argument("--master-bind-host", default="*", help="with --master (default: all)")
+    dist.add_argument("--master-bind-port", type=int, default=5557, help="with --master")
+    dist.add_argument(
+        "--workers-timeout-s", type=float, default=120.0, help="wait this long for the workers"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workers < 0 or args.expect_workers < 1:
+        print("accept: --workers must be >= 0 and --expect-workers >= 1", file=sys.stderr)
+        return EXIT_INVALID
+    if args.workers and args.master:
+        print("accept: --workers (local) and --master (remote) exclude each other", file=sys.stderr)
+        return EXIT_INVALID
     matrix = args.matrix
     if matrix is None:
         try:
@@ -745,6 +773,12 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         skip_report=args.skip_report,
         progress=not args.quiet,
+        workers=args.workers,
+        master=args.master,
+        expect_workers=args.expect_workers,
+        master_bind_host=args.master_bind_host,
+        master_bind_port=args.master_bind_port,
+        workers_timeout_s=args.workers_timeout_s,
         extra={"faults": args.faults},  # issue 8: the fault matrix step
     )
     try:

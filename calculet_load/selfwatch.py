@@ -24,6 +24,16 @@ from calculet_load.sink import PartSink
 TIMER_SLACK_S = 0.002
 
 
+def sleep_until(due_ns: int) -> None:
+    """Sleep until the monotonic instant `due_ns`: a timer to just before it, then
+    yield to the loop until it passes (so the wake-up is not ~1 ms late)."""
+    remaining = (due_ns - time.monotonic_ns()) / 1e9
+    if remaining > TIMER_SLACK_S:
+        gevent.sleep(remaining - TIMER_SLACK_S)
+    while time.monotonic_ns() < due_ns:
+        gevent.sleep(0)
+
+
 class SelfWatch:
     def __init__(
         self,
@@ -60,12 +70,9 @@ class SelfWatch:
         last = time.monotonic_ns()
         while True:
             expected = time.monotonic_ns() + int(self.interval_s * 1e9)
-            # Sleep to just before the instant, then yield until it passes: the lag is
-            # then what other greenlets made this one wait (what a token's stamp would
-            # wait), not the ~1 ms granularity of the loop's timers.
-            gevent.sleep(max(self.interval_s - TIMER_SLACK_S, 0))
-            while time.monotonic_ns() < expected:
-                gevent.sleep(0)
+            # The lag is then what other greenlets made this one wait (what a token's
+            # stamp would wait), not the ~1 ms granularity of the loop's timers.
+            sleep_until(expected)
             now = time.monotonic_ns()
             lag_ms = max(now - expected, 0) / 1e6
             self.max_lag_ms = max(self.max_lag_ms, lag_ms)
