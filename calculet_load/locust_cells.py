@@ -139,9 +139,12 @@ class Fleet:
         self.say(f"workers: {', '.join(self.names.values())}")
 
     # --- one step of a cell -----------------------------------------------------------
-    def run_step(self, step: list[Share | None], job: dict[str, Any], lead_s: float) -> int:
+    def run_step(
+        self, step: list[Share | None], job: dict[str, Any], lead_s: float, run_dir: Path
+    ) -> int:
         """Hand each worker its share, wait until all have their prompts, fix the step's
-        instant `lead_s` ahead, and wait for every share to end. Requests sent."""
+        instant `lead_s` ahead, and wait for every share to end; the workers' parts go to
+        `run_dir`. Requests sent."""
         runner = self._runner()
         task = str(next(self._tasks))
         shares = {cid: s for cid, s in zip(self.names, step, strict=True) if s is not None}
@@ -151,7 +154,7 @@ class Fleet:
             runner.send_message("calculet_share", data, client_id=cid)
         for reply in self._gather("calculet_ready", task, shares, timeout_s=600.0):
             if reply.get("info"):  # the worker's first share of the run: its host and clock
-                self._worker_info(reply["worker"], reply["info"])
+                self._worker_info(run_dir, reply["worker"], reply["info"])
             if reply.get("error"):
                 raise FleetError(f"{reply['worker']}: {reply['error']}", infra=reply["infra"])
         start = time.time_ns() + int(lead_s * 1e9)
@@ -159,23 +162,23 @@ class Fleet:
             runner.send_message("calculet_go", {"task": task, "start_wall_ns": start}, cid)
         sent = 0
         for reply in self._gather("calculet_done", task, shares, timeout_s=None):
-            self._write_parts(reply["worker"], reply["parts"])
+            self._write_parts(run_dir, reply["worker"], reply["parts"])
             if reply.get("error"):
                 raise FleetError(f"{reply['worker']}: {reply['error']}")
             sent += int(reply["sent"])
         return sent
 
-    def finish(self, run_id: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """End the run on every worker: their last parts and reports (for the index)."""
+    def finish(self, run_id: str, run_dir: Path, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """End a run on every worker: their last parts and reports (for the index)."""
         runner = self._runner()
         alive = {cid: cid for cid in self.names if self._state(cid) != STATE_MISSING}
         for cid in alive:
             data = {"run_id": run_id, "worker": self.names[cid]}
             runner.send_message("calculet_end", data, client_id=cid)
         try:
-            for reply in self._gather("calculet_closed", "end", alive, timeout_s=timeout_s):
-                self._write_parts(reply["worker"], reply["parts"])
-                self._worker_info(reply["worker"], reply["report"])
+            for reply in self._gather("calculet_closed", run_id, alive, timeout_s=timeout_s):
+                self._write_parts(run_dir, reply["worker"], reply["parts"])
+                self._worker_info(run_dir, reply["worker"], reply["report"])
         except FleetError as exc:
             log.warning("calculet: %s", exc)
         missing = {"status": "missing"}
@@ -204,7 +207,7 @@ class Fleet:
         return client.state if client is not None else None
 
     def _on_reply(self, environment: Environment, msg: Any, **_kw: Any) -> None:
-        task = str(msg.data.get("task", "end"))
+        task = str(msg.data.get("task") or msg.data.get("run_id"))
         waiter = self._waiting.get((msg.type + ":" + task, msg.node_id))
         if waiter is not None:
             waiter.set(msg.data)
@@ -243,8 +246,8 @@ class Fleet:
             for cid in waiters:
                 self._waiting.pop((kind + ":" + task, cid), None)
 
-    def _write_parts(self, worker: str, parts: dict[str, bytes]) -> None:
-        folder = self.run_dir / "client" / worker
+    def _write_parts(self, run_dir: Path, worker: str, parts: dict[str, bytes]) -> None:
+        folder = run_dir / "client" / worker
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in parts.items():
             if "/" in name or not name.startswith("part-"):
@@ -253,11 +256,11 @@ class Fleet:
             tmp.write_bytes(data)
             tmp.replace(folder / name)
 
-    def _worker_info(self, worker: str, info: dict[str, Any]) -> None:
+    def _worker_info(self, run_dir: Path, worker: str, info: dict[str, Any]) -> None:
         """What a worker reported of itself (host, pid, clock): kept, and written to
         `client/<worker>/worker.json` for the run's index."""
         self.reports[worker] = info
-        _write_json(self.run_dir / "client" / worker / "worker.json", info)
+        _write_json(run_dir / "client" / worker / "worker.json", info)
 
     def _kill_local(self) -> None:
         for p in self.procs:
@@ -394,10 +397,12 @@ def _on_end(environment: Environment, msg: Any, **_kw: Any) -> None:
     agent = AGENTS.pop(str(msg.data["run_id"]), None)
     name = str(msg.data["worker"])
     if agent is None:  # this worker had no share in the run
-        data = {"worker": name, "parts": {}, "report": _worker_info(name)}
+        data = {"run_id": msg.data["run_id"], "worker": name, "parts": {},
+                "report": _worker_info(name)}  # fmt: skip
         _reply(environment, "calculet_closed", data)
         return
     report = agent.close()
-    data = {"worker": agent.name, "parts": agent.new_parts(), "report": report}
+    data = {"run_id": agent.run_id, "worker": agent.name, "parts": agent.new_parts(),
+            "report": report}  # fmt: skip
     _reply(environment, "calculet_closed", data)
     shutil.rmtree(agent.spool, ignore_errors=True)

@@ -16,8 +16,10 @@ Steps, each logged to `events.jsonl` in the run folder as it starts and ends:
 
 An interrupted run resumes from `plan.json` (`--resume RUN_DIR`): finished cells are not
 repeated; the records of a cell that was cut are kept and excluded with their reason.
-Requests are sent from this process on its own gevent loop (one client host); the
-matrix's load shapes are those of the Locust users (closed, open loop, burst).
+The matrix's cells are split into shares (calculet_load.cellrun) sent from this process
+on its own gevent loop, or with `--workers N`/`--master` by Locust workers with this
+process as their master (calculet_load.locust_cells). `--interleave-with TARGET` runs a
+baseline target's cells between the candidate's (`Interleaved`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,9 @@ from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_to
 
 PLAN_SCHEMA = "calculet-plan/v1"
 EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_INFRA, EXIT_REGRESSION = 0, 1, 2, 3, 4
+# what stays in place when a cut attempt is set aside: an interleaved run's baseline
+# folder (it sets its own attempts aside) and the baseline manifest made from a URL
+SET_ASIDE_KEEPS = {"aborted", "baseline", "manifest.given.yaml"}
 
 
 class Stop(Exception):
@@ -119,7 +125,9 @@ class InProcess:
     def __init__(self, runner: CellRunner) -> None:
         self.runner = runner
 
-    def run_step(self, step: list[Share | None], job: dict[str, Any], lead_s: float) -> int:
+    def run_step(
+        self, step: list[Share | None], job: dict[str, Any], lead_s: float, run_dir: Path
+    ) -> int:
         share = step[0]
         assert share is not None
         self.runner.prepare(share)
@@ -149,6 +157,8 @@ class Pipeline:
         self.notes: list[str] = []
         self.sampler: Any = None
         self.fleet: Any = None  # calculet_load.locust_cells.Fleet in a distributed run
+        self.label = ""  # " (baseline)" / " (candidate)" in an interleaved run
+        self.owns_fleet = True  # False: the fleet is the interleaved candidate's
 
     # --------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -168,12 +178,28 @@ class Pipeline:
 
     # --------------------------------------------------------------- the run
     def run(self) -> int:
+        resumed = self.open()
+        try:
+            self.before_matrix(resumed)
+            self._matrix()
+            self.after_matrix()
+        except Stop as stop:
+            self.stopped(stop)
+        finally:
+            self.close()
+        return self.end()
+
+    def open(self) -> bool:
+        """The run folder, its event log, the plan (resumed?), the session and sink."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        plan = self.run_dir / "plan.json"
+        if self.o.resume and not plan.exists() and (self.run_dir / "events.jsonl").exists():
+            self._set_aside()
         self.log = EventLog(self.run_dir / "events.jsonl")
-        resumed = self.o.resume and (self.run_dir / "plan.json").exists()
+        resumed = self.o.resume and plan.exists()
         attempt = 1
         if resumed:
-            self.plan = json.loads((self.run_dir / "plan.json").read_text())
+            self.plan = json.loads(plan.read_text())
             attempt = int(self.plan.get("attempts", 1)) + 1
             self.plan["attempts"] = attempt
         self.worker = "w00" if attempt == 1 else f"w00-r{attempt - 1}"
@@ -198,27 +224,44 @@ class Pipeline:
             lambda body: _off_loop(lambda: tokenize(body)),
             mode="chat" if self.protocol == "openai-chat" else "ids",
         )
-        try:
-            self._steps(resumed)
-        except Stop as stop:
-            self.log.write("run", "stopped", code=stop.code, reason=str(stop))
-            self.say(f"STOP (exit {stop.code}): {stop}")
-            self.code = stop.code
-        finally:
-            if self.sampler is not None:
-                self.sampler.stop()
-            if self.fleet is not None:
-                self._close_fleet()
-            self.watch.stop()
-            self.session.close()
-            self.sink.close()
+        return resumed
+
+    def _set_aside(self) -> None:
+        """An attempt cut before its plan existed (in release, idle, golden or warmup):
+        its files move to `aborted/attempt-N/`, kept and signed with the run but outside
+        what the analysis reads, and the run starts over."""
+        aborted = self.run_dir / "aborted"
+        n = len(list(aborted.glob("attempt-*"))) + 1 if aborted.exists() else 1
+        dest = aborted / f"attempt-{n}"
+        dest.mkdir(parents=True)
+        for path in list(self.run_dir.iterdir()):
+            if path.name not in SET_ASIDE_KEEPS:
+                path.rename(dest / path.name)
+        self.say(f"the attempt cut before its plan existed is kept in {dest}; starting over")
+
+    def stopped(self, stop: Stop) -> None:
+        self.log.write("run", "stopped", code=stop.code, reason=str(stop))
+        self.say(f"STOP (exit {stop.code}): {stop}")
+        self.code = stop.code
+
+    def close(self) -> None:
+        """Stop sending: samplers, workers, self-watch, session; the sink's last part."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.fleet is not None:
+            self._close_fleet()
+        self.watch.stop()
+        self.session.close()
+        self.sink.close()
+
+    def end(self) -> int:
         if self.code in (EXIT_OK, EXIT_FAIL):
             self._finish()  # ends with the signature: nothing is written after it
         else:
             self.log.write("run", "end", code=self.code)
         return self.code
 
-    def _steps(self, resumed: bool) -> None:
+    def before_matrix(self, resumed: bool) -> None:
         if not resumed:
             self.log.write("run", "start", run_id=self.manifest.run_id, target=self.url)
             (self.run_dir / "manifest.yaml").write_text(Path(self.o.manifest).read_text())
@@ -233,15 +276,19 @@ class Pipeline:
             self.say(f"resuming {self.run_dir} (attempt {self.plan['attempts']})")
             self._release()
             self._start_fleet()
-        self._matrix()
+
+    def golden_and_resources(self) -> None:
+        self._golden("golden_after")
+        self._resources()
+
+    def after_matrix(self) -> None:
         # --- issue 8: the fault matrix of §12 (calculet_load/faults.py), with --faults ---
         if self.o.extra.get("faults"):
             from calculet_load.faults import run_accept_step
 
             run_accept_step(self)
         # --- end of the fault matrix step ----------------------------------------------
-        self._golden("golden_after")
-        self._resources()
+        self.golden_and_resources()
 
     # --------------------------------------------------------------- 1 release
     def _release(self) -> None:
@@ -314,8 +361,9 @@ class Pipeline:
         self.log.write("workers", "end", workers=list(self.fleet.names.values()))
 
     def _close_fleet(self) -> None:
-        reports = self.fleet.finish(self.manifest.run_id)
-        self.fleet.close()
+        reports = self.fleet.finish(self.manifest.run_id, self.run_dir)
+        if self.owns_fleet:
+            self.fleet.close()
         missing = [r["worker"] for r in reports if r.get("status") == "missing"]
         self.log.write("workers", "closed", missing=missing)
         if missing:
@@ -448,6 +496,13 @@ class Pipeline:
         self._save_plan()
 
     def _matrix(self) -> None:
+        todo = self.matrix_start()
+        for n, entry in enumerate(todo, 1):
+            self.run_entry(entry, f"{n}/{len(todo)}")
+        self.log.write("matrix", "end")
+
+    def matrix_start(self) -> list[dict[str, Any]]:
+        """The resource sampler on; cut cell attempts excluded; the cells still to run."""
         if self.o.admin_token:
             # the target's RSS, FDs, threads, KV and leases through the run (leak analysis)
             from calculet_load.resources import ResourceSampler
@@ -464,26 +519,28 @@ class Pipeline:
                     {"cell": entry["name"], "worker": entry.get("worker"),
                      "reason": "interrupted cell attempt (the cell was run again)"}
                 )  # fmt: skip
-        for n, entry in enumerate(todo, 1):
-            cell = self.cells[entry["index"]]
-            entry["status"], entry["worker"] = "running", self.worker
-            entry["started_wall_ns"] = time.time_ns()
-            self._save_plan()
-            self.log.write("cell", "start", cell=cell.name)
-            self.say(f"cell {n}/{len(todo)} {cell.name}: {entry['repetitions']} request(s)")
-            try:
-                sent = self._run_cell(cell, entry["repetitions"], int(entry["seed"]))
-            except FleetError as exc:  # the cell stays "running": a resume runs it again
-                code = EXIT_INFRA if exc.infra else EXIT_INVALID
-                raise Stop(code, f"{cell.name}: {exc}") from None
-            self.sink.flush()  # the cell's records are on disk before it counts as done
-            entry["status"], entry["requests"] = "done", sent
-            entry["ended_wall_ns"] = time.time_ns()
-            self._save_plan()
-            self.log.write("cell", "end", cell=cell.name, requests=sent)
-            if self.o.idle_gap_s:
-                gevent.sleep(self.o.idle_gap_s)
-        self.log.write("matrix", "end")
+        return todo
+
+    def run_entry(self, entry: dict[str, Any], progress: str) -> None:
+        """One cell of the plan, with its repetitions; then the idle gap."""
+        cell = self.cells[entry["index"]]
+        entry["status"], entry["worker"] = "running", self.worker
+        entry["started_wall_ns"] = time.time_ns()
+        self._save_plan()
+        self.log.write("cell", "start", cell=cell.name)
+        self.say(f"cell {progress} {cell.name}: {entry['repetitions']} request(s){self.label}")
+        try:
+            sent = self._run_cell(cell, entry["repetitions"], int(entry["seed"]))
+        except FleetError as exc:  # the cell stays "running": a resume runs it again
+            code = EXIT_INFRA if exc.infra else EXIT_INVALID
+            raise Stop(code, f"{cell.name}: {exc}") from None
+        self.sink.flush()  # the cell's records are on disk before it counts as done
+        entry["status"], entry["requests"] = "done", sent
+        entry["ended_wall_ns"] = time.time_ns()
+        self._save_plan()
+        self.log.write("cell", "end", cell=cell.name, requests=sent)
+        if self.o.idle_gap_s:
+            gevent.sleep(self.o.idle_gap_s)
 
     def _run_cell(self, cell: Cell, reps: int, seed: int) -> int:
         mix = load_mix(cell.mix) if cell.mix else single(cell.prompt_tokens, cell.max_tokens)
@@ -496,7 +553,7 @@ class Pipeline:
                     gevent.sleep(BURST_GAP_S)
                 burst_id = f"{self.manifest.run_id}.{cell.name}.{r:03d}"
                 step = [s and dataclasses.replace(s, burst_id=burst_id) for s in step]
-            sent += self.clients.run_step(step, self._job(), lead)
+            sent += self.clients.run_step(step, self._job(), lead, self.run_dir)
         return sent
 
     def _job(self) -> dict[str, Any]:
@@ -638,6 +695,95 @@ class Pipeline:
         return self.prompts[key]
 
 
+class Interleaved:
+    """`--interleave-with TARGET`: the baseline's cells between the candidate's, in one run.
+
+    Both targets get every step of §8 (release, idle, golden, warmup; golden after,
+    resources, traces). The matrix runs in the one seeded order, each cell once on each
+    target, alternating which goes first (ABBA: cell 1 candidate then baseline, cell 2
+    baseline then candidate, …) so that neither build always meets the device or the
+    client in the state the other left. The baseline is a complete run folder inside the
+    candidate's (`baseline/`); the analysis compares the two and the candidate's bundle
+    signs both.
+    """
+
+    def __init__(self, cand: Pipeline, base: Pipeline) -> None:
+        self.cand, self.base = cand, base
+        cand.label, base.label = " (candidate)", " (baseline)"
+        cand.o.baseline_run = str(base.run_dir)
+        base.o.workers, base.o.master = 0, False  # the candidate's workers send for both
+
+    def _each(self, fn: Callable[[Pipeline], Any]) -> None:
+        for p in (self.cand, self.base):
+            try:
+                fn(p)
+            except Stop as stop:
+                raise Stop(stop.code, f"{p.label.strip(' ()')}: {stop}") from None
+
+    def run(self) -> int:
+        cand, base = self.cand, self.base
+        resumed = {id(cand): cand.open(), id(base): base.open()}
+        try:
+            self._each(lambda p: p.before_matrix(resumed[id(p)]))
+            if cand.fleet is not None:
+                base.fleet, base.clients, base.owns_fleet = cand.fleet, cand.fleet, False
+            self._matrix()
+            self._each(lambda p: p.after_matrix() if p is cand else p.golden_and_resources())
+        except Stop as stop:
+            for p in (base, cand):
+                p.stopped(stop)
+        finally:
+            base.close()  # first: it ends its run on the shared workers
+            cand.close()
+        if cand.code in (EXIT_OK, EXIT_FAIL):
+            base.log.write("traces", "start")
+            base._write_index()
+            base._collect_traces()
+        base.log.write("run", "end", code=cand.code)
+        return cand.end()
+
+    def _matrix(self) -> None:
+        cand, base = self.cand, self.base
+        names = [e["name"] for e in cand.plan["cells"]]
+        if [e["name"] for e in base.plan["cells"]] != names:
+            raise Stop(EXIT_INVALID, "interleave: the baseline's plan has another cell order")
+        todo: dict[int, dict[str, dict[str, Any]]] = {}
+        for p in (cand, base):
+            todo[id(p)] = {e["name"]: e for e in p.matrix_start()}
+        cand.plan["interleaved_with"] = {"run_dir": str(base.run_dir), "url": base.url}
+        for n, name in enumerate(names):
+            first_second = (cand, base) if n % 2 == 0 else (base, cand)
+            for p in first_second:
+                entry = todo[id(p)].get(name)
+                if entry is not None:
+                    entry["interleave_position"] = first_second.index(p)
+                    try:
+                        p.run_entry(entry, f"{n + 1}/{len(names)}")
+                    except Stop as stop:
+                        raise Stop(stop.code, f"{p.label.strip(' ()')}: {stop}") from None
+        for p in (cand, base):
+            p.log.write("matrix", "end")
+
+
+def interleave_manifest(cand_manifest: str, target: str, folder: Path) -> str:
+    """The baseline's manifest: TARGET itself when it is a manifest file; for a URL, the
+    candidate's manifest with that target and the run id suffixed `-baseline` (its release
+    check then expects the candidate's model hashes: give a manifest for another build)."""
+    if Path(target).is_file():
+        return target
+    if not target.startswith(("http://", "https://")):
+        raise Stop(EXIT_INVALID, f"--interleave-with: {target!r} is neither a file nor a URL")
+    import yaml
+
+    doc = yaml.safe_load(Path(cand_manifest).read_text())
+    doc["run_id"] = f"{doc['run_id']}-baseline"
+    doc.setdefault("target", {})["url"] = target
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "manifest.given.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -701,7 +847,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="run folder (default: runs/<run_id>)")
     p.add_argument("--url", help="target URL (default: the manifest's target.url)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cell order and schedules")
-    p.add_argument("--baseline-run", help="a baseline run folder to compare with")
+    base = p.add_mutually_exclusive_group()
+    base.add_argument("--baseline-run", help="a baseline run folder to compare with")
+    base.add_argument(
+        "--interleave-with", metavar="TARGET",
+        help="the baseline target (its manifest file, or a URL): its cells run between the "
+        "candidate's, alternating which goes first; the baseline run is RUN_DIR/baseline",
+    )  # fmt: skip
     p.add_argument(
         "--rules", help="acceptance rules YAML (default: configs/acceptance/default.yaml)"
     )
@@ -783,13 +935,22 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         pipeline = Pipeline(opts)
+        runner: Pipeline | Interleaved = pipeline
+        if args.interleave_with:
+            folder = pipeline.run_dir / "baseline"
+            manifest = interleave_manifest(opts.manifest, args.interleave_with, folder)
+            base_opts = dataclasses.replace(
+                opts, manifest=manifest, url=None, run_dir=str(folder), calbin=None,
+                skip_report=True, extra={},
+            )  # fmt: skip
+            runner = Interleaved(pipeline, Pipeline(base_opts))
     except Stop as stop:
         print(f"accept: {stop}", file=sys.stderr)
         return stop.code
     except MixError as exc:
         print(f"accept: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    code = pipeline.run()
+    code = runner.run()
     for note in pipeline.notes:
         print(f"note: {note}")
     print(f"accept: exit {code}; run folder {pipeline.run_dir}")
