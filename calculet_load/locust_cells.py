@@ -91,7 +91,7 @@ class Fleet:
         self.bind_port = bind_port
         self.suffix = suffix
         self.say = say
-        self.env = Environment(events=Events())  # type: ignore[no-untyped-call]
+        self.env = Environment(events=Events())
         self.runner: MasterRunner | None = None
         self.names: dict[str, str] = {}  # Locust client id -> worker name, in index order
         self.reports: dict[str, dict[str, Any]] = {}
@@ -133,7 +133,7 @@ class Fleet:
                     f"within {timeout_s:.0f} s"
                 )
             gevent.sleep(0.2)
-        index: dict[str, int] = {c.id: runner.get_worker_index(c.id) for c in runner.clients.ready}  # type: ignore[no-untyped-call]
+        index: dict[str, int] = {c.id: runner.get_worker_index(c.id) for c in runner.clients.ready}
         for cid in sorted(index, key=index.__getitem__)[: self.expect]:
             self.names[cid] = f"w{index[cid] + 1:02d}{self.suffix}"
         self.say(f"workers: {', '.join(self.names.values())}")

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from locust import LoadTestShape
 
-from calculet_load import locust_plugin
+from calculet_load import locust_plugin, locust_worker
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,9 @@ class RateStages(LoadTestShape):
         if coordinator is None:
             return
         if coordinator.plan is None:  # before the start: the plan opens at stage 1's rate
-            locust_plugin.options(coordinator.env).rate = stage.rate
+            locust_worker.options(coordinator.env).rate = stage.rate
             return
-        if coordinator.plan.arrival not in locust_plugin.OPEN_LOOP:
+        if coordinator.plan.arrival not in locust_worker.OPEN_LOOP:
             return
         if self._current != i:
             self._current = i

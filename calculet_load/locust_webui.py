@@ -42,7 +42,7 @@ def install(env: Environment, coordinator: Callable[[], Any]) -> None:
     ui.template_args["extended_tabs"] = [{"title": "LLM (calculet)", "key": TAB}]
     ui.template_args["extended_tables"] = [{"key": TAB, "structure": COLUMNS}]
 
-    from calculet_load.locust_plugin import options as _options
+    from calculet_load.locust_worker import options as _options
 
     options = _options(env)
 

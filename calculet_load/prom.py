@@ -201,8 +201,9 @@ def serve(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
 def install(environment: Any) -> WSGIServer:
     """Serve this Locust process's live figures on --metrics-host:--metrics-port."""
     from calculet_load import locust_plugin as plugin
+    from calculet_load.locust_worker import OPEN_LOOP, options
 
-    opts = plugin.options(environment)
+    opts = options(environment)
 
     def info() -> dict[str, Any]:
         plan = plugin.STATE.plan
@@ -213,7 +214,7 @@ def install(environment: Any) -> WSGIServer:
         }
         if plan is not None:
             out.update(run_id=plan.run_id, arrival=plan.arrival)
-            if plan.arrival in plugin.OPEN_LOOP:
+            if plan.arrival in OPEN_LOOP:
                 out["target_rate"] = float(opts.rate)
         return out
 
