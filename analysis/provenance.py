@@ -133,7 +133,8 @@ def banner(rv: RunView) -> Banner:
             )
         )
         for sc in faults.get("scenarios") or []:
-            if isinstance(sc, dict) and str(sc.get("verdict")).upper() in ("FAIL", "ERROR"):
+            verdict = str(sc.get("verdict")).upper() if isinstance(sc, dict) else ""
+            if isinstance(sc, dict) and verdict in ("FAIL", "ERROR", "NOT_RUN"):
                 failing.append(
                     (
                         f"fault scenario {sc.get('name')}",

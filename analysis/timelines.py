@@ -618,7 +618,7 @@ def faults_section(rv: RunView) -> Section:
             )
         )
         classes.append(
-            {"PASS": "pass", "FAIL": "fail", "ERROR": "fail"}.get(
+            {"PASS": "pass", "FAIL": "fail", "ERROR": "fail", "NOT_RUN": "fail"}.get(
                 str(sc.get("verdict")).upper(), "warn"
             )
         )

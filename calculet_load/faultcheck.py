@@ -46,6 +46,9 @@ class ReqObs:
     cancelled: bool = False  # cut by the driver (a client going away)
     cancel_wall_ns: int | None = None
     reference: str | None = None
+    user: str = ""  # the client user that sent it (`load-N`, else the group)
+    start_wall_ns: int | None = None
+    end_wall_ns: int | None = None  # None while in flight
 
     @property
     def ok(self) -> bool:
@@ -84,6 +87,9 @@ class Observation:
     cpu_share: dict[str, float | None] = dataclasses.field(default_factory=dict)
     action_errors: list[str] = dataclasses.field(default_factory=list)
     golden_after: tuple[bool, str] | None = None  # (passed, detail); None: not run
+    # spec §12.4: one record per maintenance action, and the audit log before and after
+    maintenance: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    audit: Any = None  # calculet_load.maintenance.AuditObs when the scenario has actions
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -463,6 +469,10 @@ def compute_facts(obs: Observation) -> dict[str, Any]:
     }
     for name, share in obs.cpu_share.items():
         facts[f"cpu_share.{name}"] = None if share is None else round(share, 4)
+    if obs.maintenance:
+        from calculet_load.maintenance import maintenance_facts
+
+        facts.update(maintenance_facts(obs))
     return facts
 
 
@@ -597,4 +607,8 @@ def judge(sc: FaultScenario, obs: Observation) -> tuple[list[Check], dict[str, A
     checks += [_admin_check(a.label, a.status, a.body, obs) for a in sc.expect.admin]
     checks += [check_fact(k, v, facts, obs) for k, v in sc.expect.facts.items()]
     checks += _invariants(sc, obs, facts)
+    if sc.maintenance_actions():
+        from calculet_load.maintenance import maintenance_checks
+
+        checks += maintenance_checks(sc, obs)
     return checks, facts

@@ -1,4 +1,4 @@
-"""`calculet-load faults`: the fault matrix of spec §12.1–§12.3 against a target.
+"""`calculet-load faults`: the fault matrix of spec §12.1–§12.4 against a target.
 
 Each scenario of `configs/faults/*.yaml` (schema: calculet_load/faultspec.py) runs in turn
 on the same target:
@@ -14,44 +14,62 @@ on the same target:
   8 the verdict: every expectation and invariant is a check with what was expected and
     what was observed (calculet_load/faultcheck.py); PASS when all hold.
 
+A scenario with maintenance actions (spec §12.4: device reset, reload, shutdown) runs only
+when the manifest's `maintenance` section authorizes them at that moment; otherwise it is
+NOT_RUN (never a pass: exit 1) and none of its admin calls is sent. Each such action is
+recorded (calculet_load/maintenance.py), and the target's audit log is read before and
+after the scenario and checked.
+
+The actions themselves are calculet_load/faultactions.py's.
+
 `--broken NAME[,NAME]|all` is for rehearsals against the simulator: the scenario's
 `target_fault` is armed in its broken mode, so the verdict must come out FAIL.
 
 Outputs in the run folder: `faults.json` (every scenario, its verdict and evidence),
 `faults/client/<worker>/part-*.parquet` (the scenario requests' records, kept out of the
-performance analysis) and `faults/server_events.jsonl` (each scenario's window).
-Exit codes: 0 every scenario passed; 1 a scenario failed or could not run on a ready
-target; 2 a scenario file, the manifest or the golden set is invalid; 3 the target is
-unreachable or has no fault API (infrastructure: rerun).
+performance analysis), `faults/server_events.jsonl` (each scenario's window) and
+`faults/maintenance.jsonl` (one record per maintenance action).
+Exit codes: 0 every scenario passed; 1 a scenario failed, could not run on a ready
+target, or was not run for want of a maintenance authorization; 2 a scenario file, the
+manifest or the golden set is invalid; 3 the target is unreachable or has no fault API
+(infrastructure: rerun).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import gevent
 
-from calculet_load.client import Outcome, Timeouts, run_in_greenlet
-from calculet_load.faultcheck import TERMINAL_EVENTS, Observation, ReqObs, get_path, judge
-from calculet_load.faultspec import (
-    Action,
-    FaultScenario,
-    FaultSpecError,
-    Illegal,
-    Send,
-    WaitEvent,
-    WaitState,
-    load_scenarios,
+from calculet_load.client import Timeouts, run_in_greenlet
+from calculet_load.faultactions import (
+    PROBE_KEY,
+    ActionFailed,
+    NotAuthorized,
+    Run,
+    act,
+    arm,
+    start_load,
+    window_rows,
+)
+from calculet_load.faultcheck import TERMINAL_EVENTS, Observation, ReqObs, judge
+from calculet_load.faultspec import FaultScenario, FaultSpecError, load_scenarios
+from calculet_load.maintenance import (
+    AuditObs,
+    authorization_public,
+    finish_records,
+    match_audit_rows,
+    refusal,
+    snapshot_of,
 )
 from calculet_load.matrix import GoldenSet, MatrixError, load_golden
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
@@ -63,11 +81,10 @@ from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_to
 FAULTS_SCHEMA = "calculet-faults/v1"
 EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_INFRA = 0, 1, 2, 3
 PASS, FAIL, ERROR, SKIPPED = "PASS", "FAIL", "ERROR", "SKIPPED"
-UINT32_MAX = 2**32 - 1
-
-
-class _ActionFailed(Exception):
-    pass
+# Not run because the manifest does not authorize its maintenance actions (spec §12.4):
+# never a pass, so the matrix exits 1 (see docs/faults.md).
+NOT_RUN = "NOT_RUN"
+VERDICTS = (PASS, FAIL, ERROR, SKIPPED, NOT_RUN)
 
 
 class _Infra(Exception):
@@ -90,6 +107,8 @@ class FaultOptions:
     settle_s: float = 0.5  # real seconds for the target to flush its traces
     progress: bool = True
     worker: str = "faults"
+    # the run's start, for a maintenance window given as a duration (default: now)
+    run_started_wall_ns: int | None = None
 
 
 class _FaultSession(Session):
@@ -102,23 +121,12 @@ class _FaultSession(Session):
 
     def next_request_id(self) -> str:
         rid = f"{self.ctx.run_id}.{self.ctx.worker}.{next(self._ids):08d}"
-        gevent.getcurrent().fault_request_id = rid
+        me = gevent.getcurrent()
+        me.fault_request_id = rid
+        req = getattr(me, "fault_req", None)
+        if isinstance(req, ReqObs):
+            req.rid = rid  # known while in flight (a maintenance record lists it)
         return rid
-
-
-@dataclasses.dataclass
-class _Run:
-    """One scenario while it runs."""
-
-    sc: FaultScenario
-    broken: bool
-    obs: Observation
-    served_calbin: str | None = None
-    background: dict[str, list[gevent.Greenlet]] = dataclasses.field(default_factory=dict)
-    admin_bg: dict[str, gevent.Greenlet] = dataclasses.field(default_factory=dict)
-    cpu_marks: dict[str, tuple[float | None, float]] = dataclasses.field(default_factory=dict)
-    admin_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    load_stop: bool = False
 
 
 class FaultMatrix:
@@ -142,10 +150,14 @@ class FaultMatrix:
             unknown = sorted(set(opts.broken) - known - {"all"})
             if unknown:
                 raise SystemExit(_invalid(f"--broken: unknown scenario(s) {unknown}"))
-        self.api = TargetAPI(self.url, opts.admin_token, operator="calculet-load-faults")
+        self.run_started_wall_ns = opts.run_started_wall_ns or time.time_ns()
+        auth = self.manifest.maintenance
+        # an authorized run's admin calls carry the accountable operator (audit log, §12.4)
+        operator = auth.operator if auth is not None else "calculet-load-faults"
+        self.api = TargetAPI(self.url, opts.admin_token, operator=operator)
         self.references: dict[tuple[int, int, int], str | None] = {}
         self.results: list[dict[str, Any]] = []
-        self.scale = 1.0
+        self.scale: float = 1.0
         self.max_context = 40960
         self.code = EXIT_OK
 
@@ -158,7 +170,7 @@ class FaultMatrix:
         b = self.o.broken or []
         return "all" in b or sc.name in b
 
-    def _session(self, timeout_s: float | None) -> Session:
+    def session(self, timeout_s: float | None) -> Session:
         key = None if timeout_s is None else round(timeout_s, 3)
         if key not in self.sessions:
             total = self.manifest.timeout_s if key is None else key
@@ -174,14 +186,26 @@ class FaultMatrix:
             )
         return self.sessions[key]
 
-    def _prompt(self, tokens: int, sample: int) -> Prompt:
+    def prompt(self, tokens: int, sample: int) -> Prompt:
         return self.factory.prompt(tokens, sample)
+
+    def real(self, target_s: float) -> float:
+        return target_s * self.scale + self.o.slack_s
+
+    def refusal(self, actions: Iterable[str]) -> str | None:
+        """Why these maintenance actions are not authorized now (None: they are)."""
+        auth = self.manifest.maintenance
+        return refusal(auth, actions, time.time_ns(), self.run_started_wall_ns)
+
+    def authorization(self) -> dict[str, Any] | None:
+        return authorization_public(self.manifest.maintenance, self.run_started_wall_ns)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         out = self.run_dir / "faults"
         out.mkdir(parents=True, exist_ok=True)
         self.events_path = out / "server_events.jsonl"
+        self.maintenance_path = out / "maintenance.jsonl"
         self.ctx = RunContext.from_manifest(self.manifest, self.o.worker)
         self.sink = PartSink(str(out), self.o.worker)
         self.ids = itertools.count(1)
@@ -238,6 +262,11 @@ class FaultMatrix:
             if stopped:
                 self._skip(sc, "the target was stopped by an earlier scenario")
                 continue
+            refused = self.refusal(sc.maintenance_actions())
+            if refused is not None:
+                self._skip(sc, refused, NOT_RUN)
+                self.code = self.code or EXIT_FAIL
+                continue
             result = self._scenario(sc)
             self.results.append(result)
             stopped = stopped or sc.stops_target
@@ -247,23 +276,24 @@ class FaultMatrix:
                     f"    FAILED {ev['check']}: expected {ev['expected']}, "
                     f"observed {json.dumps(ev['observed'], default=str)[:300]}"
                 )
-            if result["verdict"] in (FAIL, ERROR):
+            if result["verdict"] in (FAIL, ERROR, NOT_RUN):
                 self.code = EXIT_FAIL
 
-    def _skip(self, sc: FaultScenario, reason: str) -> None:
+    def _skip(self, sc: FaultScenario, reason: str, verdict: str = SKIPPED) -> None:
         self.results.append(
             {
                 "name": sc.name,
                 "section": sc.section,
                 "title": sc.title,
-                "verdict": SKIPPED,
+                "maintenance_actions": sc.maintenance_actions(),
+                "verdict": verdict,
                 "reason": reason,
                 "checks": [],
                 "evidence": [],
                 "duration_s": 0.0,
             }
         )
-        self.say(f"  {sc.name}: SKIPPED ({reason})")
+        self.say(f"  {sc.name}: {verdict.replace('_', ' ')} ({reason})")
 
     # ------------------------------------------------------------------ a scenario
     def _scenario(self, sc: FaultScenario) -> dict[str, Any]:
@@ -275,12 +305,13 @@ class FaultMatrix:
             "title": sc.title,
             "target_fault": sc.target_fault,
             "broken_rehearsal": broken,
+            "maintenance_actions": sc.maintenance_actions(),
             "started_wall_ns": time.time_ns(),
         }
-        run = _Run(sc, broken, Observation(scale=self.scale, slack_s=self.o.slack_s))
+        run = Run(sc, broken, Observation(scale=self.scale, slack_s=self.o.slack_s))
         try:
             self._prepare(run)
-        except (OSError, _ActionFailed, WorkloadError) as exc:
+        except (OSError, ActionFailed, WorkloadError) as exc:
             result.update(
                 verdict=ERROR,
                 reason=f"before the scenario: {exc}",
@@ -288,14 +319,19 @@ class FaultMatrix:
                 evidence=[],
                 duration_s=time.monotonic() - t0,
             )
+            self.api.journal = None
             self.api.json("DELETE", "/admin/faults")
             return result
-        self._load(run)
+        start_load(self, run)
+        not_run = None
         try:
             for i, action in enumerate(sc.actions):
                 try:
-                    self._act(run, action)
-                except _ActionFailed as exc:
+                    act(self, run, action)
+                except NotAuthorized as exc:  # the window closed meanwhile: nothing sent
+                    not_run = f"action #{i + 1} {action.kind}: {exc}"
+                    break
+                except ActionFailed as exc:
                     run.obs.action_errors.append(f"#{i + 1} {action.kind}: {exc}")
                     break
                 except (OSError, WorkloadError) as exc:
@@ -309,11 +345,19 @@ class FaultMatrix:
                 r.reference = self.references.get(r.key)
         checks, facts = judge(sc, obs)
         verdict = PASS if all(c.ok for c in checks) else FAIL
+        if not_run is not None:
+            verdict = NOT_RUN
+            result["reason"] = not_run
         with self.events_path.open("a", encoding="utf-8") as f:
             for row in obs.events:
                 f.write(json.dumps({"scenario": sc.name, **row}) + "\n")
+        if obs.maintenance:
+            with self.maintenance_path.open("a", encoding="utf-8") as f:
+                for rec in obs.maintenance:
+                    f.write(json.dumps(rec, default=str) + "\n")
         result.update(
             verdict=verdict,
+            maintenance=obs.maintenance,
             checks=[c.public() for c in checks],
             evidence=[c.public() for c in checks if not c.ok],
             facts=facts,
@@ -332,25 +376,29 @@ class FaultMatrix:
         )
         return result
 
-    def _prepare(self, run: _Run) -> None:
+    def _prepare(self, run: Run) -> None:
         """Faults cleared, the target ready and idle, references, the window opened."""
         sc = run.sc
         status, body = self.api.json("DELETE", "/admin/faults")
         if status != 200:
-            raise _ActionFailed(f"DELETE /admin/faults: HTTP {status}: {body}")
+            raise ActionFailed(f"DELETE /admin/faults: HTTP {status}: {body}")
         st = self._wait_idle(30.0)
         if st is None or st.get("state") != "ready":
             state = st.get("state") if st else "unknown"
-            raise _ActionFailed(f"the target is not ready and idle (state {state})")
+            raise ActionFailed(f"the target is not ready and idle (state {state})")
         keys = set(_keys(sc))
         self._references(keys)
+        if sc.maintenance_actions() and sc.invariants.audit_log:
+            status, log = self.api.audit_log()
+            run.obs.audit = AuditObs(self.api.operator, status, log, token=self.o.admin_token)
+            self.api.journal = []
         self.api.skip_to_end("server_events")
         run.obs.state_before = self.api.state()
         run.served_calbin = run.obs.state_before.get("calbin_sha256")
         if run.broken and not any(
             a.arm is not None and a.arm.get("scenario") == sc.target_fault for a in sc.actions
         ):
-            self._arm(run, {"scenario": sc.target_fault})
+            arm(self, run, {"scenario": sc.target_fault})
 
     def _wait_idle(self, timeout_real_s: float) -> dict[str, Any] | None:
         last: dict[str, Any] = {}
@@ -381,322 +429,25 @@ class FaultMatrix:
     def _reference(self, key: tuple[int, int, int]) -> None:
         p, sample, n = key
         spec = RequestSpec(
-            prompt=self._prompt(p, sample),
+            prompt=self.prompt(p, sample),
             max_tokens=n,
             stream=False,
             cell="fault:reference",
             arrival="fault",
         )
-        _, out = self._session(None).send(spec)
+        _, out = self.session(None).send(spec)
         if out.ok and out.output_tokens == n:
             self.references[key] = out.token_hash
         else:
-            raise _ActionFailed(
+            raise ActionFailed(
                 f"reference request p{p}-s{sample}-o{n} failed: {out.http_status} {out.error_code}"
             )
 
-    # ------------------------------------------------------------------ sending
-    def _send_one(
-        self,
-        run: _Run,
-        group: str,
-        prompt: Prompt,
-        max_tokens: int,
-        *,
-        key: tuple[int, int, int] | None,
-        stream: bool = True,
-        timeout_s: float | None = None,
-        case: str = "",
-    ) -> ReqObs:
-        req = ReqObs(group=group, key=key, case=case, max_tokens=max_tokens)
-        run.obs.requests.append(req)
-        me = gevent.getcurrent()
-        me.fault_req = req
-        spec = RequestSpec(
-            prompt=prompt,
-            max_tokens=max_tokens,
-            stream=stream,
-            cell=f"fault:{run.sc.name}:{group}",
-            arrival="fault",
-        )
-        session = self._session(None if timeout_s is None else self._real(timeout_s))
-        t0 = time.monotonic()
-        out: Outcome | None
-        try:
-            _, out = session.send(spec)
-        except gevent.GreenletExit as exc:  # the driver cut it: a client going away
-            out = getattr(exc, "outcome", None)
-        req.elapsed_s = time.monotonic() - t0
-        req.rid = getattr(me, "fault_request_id", None)
-        if out is not None:
-            req.rid = out.request_id
-            req.status = out.http_status
-            req.error_type = out.error_code
-            req.error_class = out.error_class
-            req.tokens = out.output_tokens
-            req.token_hash = out.token_hash
-            req.nonfinite = out.nonfinite
-        return req
-
-    def _real(self, target_s: float) -> float:
-        return target_s * self.scale + self.o.slack_s
-
-    def _spawn(self, run: _Run, group: str, fn: Callable[[], Any]) -> gevent.Greenlet:
-        g = gevent.spawn(fn)
-        run.background.setdefault(group, []).append(g)
-        return g
-
-    def _load(self, run: _Run) -> None:
-        spec = run.sc.load
-        if spec is None or spec.concurrency == 0:
-            return
-        pause = max(spec.pause_after_error_s * self.scale, 0.005)
-
-        def user(u: int) -> None:
-            for k in itertools.count(u):
-                if run.load_stop:
-                    return
-                sample = 100 + k % spec.samples
-                key = (spec.prompt_tokens, sample, spec.max_tokens)
-                prompt = self._prompt(spec.prompt_tokens, sample)
-                req = self._send_one(
-                    run, "load", prompt, spec.max_tokens, key=key, stream=spec.stream
-                )
-                if not req.ok:
-                    gevent.sleep(pause)
-
-        for u in range(spec.concurrency):
-            self._spawn(run, "load", functools.partial(user, u))
-
-    # ------------------------------------------------------------------ actions
-    def _act(self, run: _Run, a: Action) -> None:
-        kind = a.kind
-        if a.arm is not None:
-            self._arm(run, dict(a.arm))
-        elif a.clear is not None:
-            path = "/admin/faults" if a.clear == "all" else f"/admin/faults?scenario={a.clear}"
-            self._admin(run, "DELETE", path, None, None)
-        elif a.send is not None:
-            self._do_send(run, a.send)
-        elif a.illegal is not None:
-            self._do_illegal(run, a.illegal)
-        elif a.cancel is not None:
-            self._do_cancel(run, a.cancel)
-        elif a.wait is not None:
-            jobs = run.background.get(a.wait, [])
-            if not jobs:
-                raise _ActionFailed(f"no background requests in group {a.wait!r}")
-            gevent.joinall(jobs, timeout=self.manifest.timeout_s)
-            if not all(g.dead for g in jobs):
-                raise _ActionFailed(f"group {a.wait!r} still running after the timeout")
-        elif a.wait_state is not None:
-            self._wait_state(run, a.wait_state)
-        elif a.wait_event is not None:
-            self._wait_event(run, a.wait_event)
-        elif a.wait_admin is not None:
-            g = run.admin_bg.get(a.wait_admin)
-            if g is None:
-                raise _ActionFailed(f"no background admin call {a.wait_admin!r}")
-            g.join(timeout=self.manifest.timeout_s)
-            if not g.dead:
-                raise _ActionFailed(f"admin call {a.wait_admin!r} did not answer")
-        elif a.sleep is not None:
-            gevent.sleep(a.sleep * self.scale)
-        elif a.admin is not None:
-            body = _substitute(a.admin.body, run.served_calbin)
-            label = a.admin.label or a.admin.path
-            if a.admin.background:
-                adm = a.admin
-                run.admin_bg[label] = gevent.spawn(
-                    self._admin, run, adm.method, adm.path, body, label
-                )
-                gevent.sleep(0)
-            else:
-                self._admin(run, a.admin.method, a.admin.path, body, label)
-        elif a.health is not None:
-            run.obs.admin[a.health] = self.api.health()
-        elif a.cpu_start is not None:
-            run.cpu_marks[a.cpu_start] = (self._cpu(), time.monotonic())
-        elif a.cpu_stop is not None:
-            cpu0, t0 = run.cpu_marks.get(a.cpu_stop, (None, time.monotonic()))
-            cpu1, t1 = self._cpu(), time.monotonic()
-            share = None if cpu0 is None or cpu1 is None or t1 <= t0 else (cpu1 - cpu0) / (t1 - t0)
-            run.obs.cpu_share[a.cpu_stop] = share
-        else:  # pragma: no cover - the schema allows no other action
-            raise _ActionFailed(f"unknown action {kind}")
-
-    def _cpu(self) -> float | None:
-        for name in ("calculet_process_cpu_seconds_total", "calculet_process_cpu_seconds",
-                     "process_cpu_seconds_total"):  # fmt: skip
-            value = self.api.metric(name)
-            if value is not None:
-                return value
-        return None
-
-    def _admin(
-        self, run: _Run, method: str, path: str, body: Any, label: str | None
-    ) -> tuple[int, Any]:
-        wall = time.time_ns()
-        status, answer = self.api.json(method, path, body)
-        run.admin_calls.append(
-            {
-                "wall_ns": wall,
-                "method": method,
-                "path": path,
-                "body": body,
-                "status": status,
-                "answer": answer,
-                "seconds": round((time.time_ns() - wall) / 1e9, 4),
-            }
-        )
-        if label is not None:
-            run.obs.admin[label] = (status, answer)
-        return status, answer
-
-    def _arm(self, run: _Run, spec: dict[str, Any]) -> None:
-        if run.broken and spec.get("scenario") == run.sc.target_fault:
-            spec["broken"] = True
-        status, answer = self._admin(run, "POST", "/admin/faults", spec, None)
-        if status != 200:
-            raise _ActionFailed(f"arm {spec}: HTTP {status}: {answer}")
-
-    def _do_send(self, run: _Run, s: Send) -> None:
-        n = s.n
-        if s.n_from is not None:
-            value = get_path(self.api.state(), s.n_from)
-            if not isinstance(value, int):
-                raise _ActionFailed(f"n_from {s.n_from}: not a number in /admin/state")
-            n = value + s.plus
-        items = []
-        for i in range(n):
-            sample = s.sample + (i if s.distinct else 0)
-            items.append((self._prompt(s.prompt_tokens, sample), (s.prompt_tokens, sample)))
-
-        def one(prompt: Prompt, key: tuple[int, int]) -> None:
-            ref = (*key, s.max_tokens) if s.reference else None
-            self._send_one(
-                run, s.group, prompt, s.max_tokens, key=ref, stream=s.stream, timeout_s=s.timeout_s
-            )
-
-        if s.sequential:
-
-            def all_in_turn() -> None:
-                for prompt, key in items:
-                    one(prompt, key)
-
-            jobs = [self._spawn(run, s.group, all_in_turn)]
-        else:
-            jobs = [self._spawn(run, s.group, functools.partial(one, p, k)) for p, k in items]
-        gevent.sleep(0)  # every request is on its way before the next action
-        if not s.background:
-            gevent.joinall(jobs)
-
-    def _illegal_prompt(self, n: int) -> Prompt:
-        """A prompt of exactly n tokens (0 and over the context included)."""
-        if n <= 0:
-            return Prompt("illegal:empty", 0, "" if self.factory.mode == "chat" else [])
-        if self.factory.mode == "chat":
-            from calculet_load.workload import sample_words
-
-            return Prompt("illegal:over", n, " ".join(sample_words(0, 0, n)))
-        base = self._prompt(min(n, 4096), 0).payload
-        assert isinstance(base, list)
-        ids = (base * (n // len(base) + 1))[:n]
-        return Prompt(f"illegal:{n}", n, ids)
-
-    def _do_illegal(self, run: _Run, s: Illegal) -> None:
-        m = self.max_context
-        cases: dict[str, tuple[int, int]] = {
-            "empty_prompt": (0, 4),
-            "zero_output": (8, 0),
-            "max_plus_1": (m - 4, 5),
-            "prompt_over": (m + 1, 1),
-            "uint32_overflow": (8, 2**32 + 8),
-            "uint32_max": (8, UINT32_MAX),
-            "negative_output": (8, -1),
-        }
-        for case in s.cases:
-            p, n = cases[case]
-            prompt = self._illegal_prompt(p)
-            send = functools.partial(
-                self._send_one, run, s.group, prompt, n, key=None, stream=False,
-                timeout_s=s.timeout_s, case=case,
-            )  # fmt: skip
-            g = self._spawn(run, s.group, send)
-            g.join()
-
-    def _do_cancel(self, run: _Run, group: str) -> None:
-        jobs = [g for g in run.background.get(group, []) if not g.dead]
-        if not jobs:
-            raise _ActionFailed(f"nothing of group {group!r} in flight to cancel")
-        for g in jobs:
-            req = getattr(g, "fault_req", None)
-            if isinstance(req, ReqObs):
-                req.cancelled = True
-                req.cancel_wall_ns = time.time_ns()
-            g.kill(block=False)
-        gevent.joinall(jobs, timeout=10)
-
-    def _wait_state(self, run: _Run, w: WaitState) -> None:
-        before = run.obs.state_before
-        last: dict[str, Any] = {}
-
-        def holds() -> bool:
-            nonlocal last
-            last = self.api.state()
-            v = get_path(last, w.path)
-            if w.eq is not None and v != w.eq:
-                return False
-            if w.ne is not None and v == w.ne:
-                return False
-            num = v if isinstance(v, int | float) and not isinstance(v, bool) else None
-            if w.ge is not None and (num is None or num < w.ge):
-                return False
-            if w.le is not None and (num is None or num > w.le):
-                return False
-            if w.ge_path is not None:
-                other = get_path(last, w.ge_path)
-                if num is None or not isinstance(other, int | float) or num < other:
-                    return False
-            if w.delta_ge is not None:
-                b = get_path(before, w.path)
-                if num is None or not isinstance(b, int | float) or num - b < w.delta_ge:
-                    return False
-            return True
-
-        if not self.api.wait_until(holds, self._real(w.timeout_s) + 2.0):
-            cond = w.model_dump(exclude_none=True, exclude={"timeout_s"})
-            raise _ActionFailed(
-                f"state {cond} not reached within {w.timeout_s:g} target s; "
-                f"{w.path} = {get_path(last, w.path)!r}, state {last.get('state')!r}"
-            )
-
-    def _window_rows(self, run: _Run) -> list[dict[str, Any]]:
-        run.obs.events += self.api.trace_rows("server_events")
-        return run.obs.events
-
-    def _wait_event(self, run: _Run, w: WaitEvent) -> None:
-        from calculet_load.faultcheck import detail_matches
-
-        def found() -> bool:
-            rids = None
-            if w.group is not None:
-                rids = {r.rid for r in run.obs.requests if r.group == w.group and r.rid}
-            return any(
-                r["event"] == w.event
-                and detail_matches(r, w.detail)
-                and (rids is None or r.get("request_id") in rids)
-                for r in self._window_rows(run)
-            )
-
-        if not self.api.wait_until(found, self._real(w.timeout_s) + 2.0, 0.05):
-            raise _ActionFailed(f"no {w.event} event within {w.timeout_s:g} target s")
-
     # ------------------------------------------------------------------ the end
-    def _wind_down(self, run: _Run) -> None:
+    def _wind_down(self, run: Run) -> None:
         run.load_stop = True
         pending = [g for jobs in run.background.values() for g in jobs]
-        gevent.joinall(pending, timeout=max(self._real(60.0), 5.0))
+        gevent.joinall(pending, timeout=max(self.real(60.0), 5.0))
         for g in pending:
             if not g.dead:  # still running: cut (recorded as cancelled by the client)
                 req = getattr(g, "fault_req", None)
@@ -705,11 +456,11 @@ class FaultMatrix:
                     req.cancel_wall_ns = time.time_ns()
                 g.kill(block=True, timeout=10)
         for g in run.admin_bg.values():
-            g.join(timeout=max(self._real(60.0), 5.0))
+            g.join(timeout=max(self.real(60.0), 5.0))
         try:
             self.api.json("DELETE", "/admin/faults")
             if not run.sc.stops_target:
-                self._wait_idle(max(self._real(120.0), 5.0))
+                self._wait_idle(max(self.real(120.0), 5.0))
             gevent.sleep(self.o.settle_s)
             run.obs.state_after = self.api.state()
             self._collect(run)
@@ -717,19 +468,44 @@ class FaultMatrix:
                 run.obs.golden_after = self._golden_after(run)
         except OSError as exc:
             run.obs.action_errors.append(f"after the scenario: target unreachable: {exc}")
+        finally:
+            self._maintenance_end(run)
 
-    def _collect(self, run: _Run) -> None:
+    def _maintenance_end(self, run: Run) -> None:
+        """The audit log read again (the client's admin calls in between known), and each
+        maintenance record completed: after, affected requests, recovery, its audit row."""
+        audit, calls = run.obs.audit, self.api.journal
+        self.api.journal = None
+        if isinstance(audit, AuditObs):
+            audit.calls = calls or []
+            try:
+                audit.after_status, audit.after = self.api.audit_log()
+            except OSError as exc:
+                audit.after_status, audit.after = None, str(exc).encode()
+        if not run.obs.maintenance:
+            return
+        state: dict[str, Any] = run.obs.state_after or {"error": "target unreachable"}
+        try:
+            health: tuple[int | None, Any] = self.api.health()
+        except OSError as exc:
+            health = (None, str(exc))
+        end = {"wall_ns": time.time_ns(), **snapshot_of(state, health)}
+        finish_records(run.obs.maintenance, run.obs.requests, end, self.scale,
+                       run.obs.golden_after)  # fmt: skip
+        match_audit_rows(run.obs.maintenance, audit if isinstance(audit, AuditObs) else None)
+
+    def _collect(self, run: Run) -> None:
         """Read events until every request the server accepted has a terminal event."""
 
         def complete() -> bool:
-            rows = self._window_rows(run)
+            rows = window_rows(self, run)
             accepted = {r["request_id"] for r in rows if r["event"] == "accepted"}
             ended = {r["request_id"] for r in rows if r["event"] in TERMINAL_EVENTS}
             return accepted <= ended
 
         self.api.wait_until(complete, 5.0, 0.1)
 
-    def _golden_after(self, run: _Run) -> tuple[bool, str]:
+    def _golden_after(self, run: Run) -> tuple[bool, str]:
         """The scenario's references again, and the golden set: all must match."""
         failures = []
         checked = 0
@@ -737,13 +513,13 @@ class FaultMatrix:
         for key in keys:
             p, sample, n = key
             spec = RequestSpec(
-                prompt=self._prompt(p, sample),
+                prompt=self.prompt(p, sample),
                 max_tokens=n,
                 stream=False,
                 cell="fault:golden_after",
                 arrival="fault",
             )
-            _, out = self._session(None).send(spec)
+            _, out = self.session(None).send(spec)
             checked += 1
             if not out.ok:
                 failures.append(f"p{p}-s{sample}-o{n}: {out.http_status} {out.error_code}")
@@ -751,7 +527,7 @@ class FaultMatrix:
                 failures.append(f"p{p}-s{sample}-o{n}: output differs from the reference")
         for case in self.golden.cases if self.golden else []:
             spec = RequestSpec(
-                prompt=self._prompt(case.prompt_tokens, case.sample),
+                prompt=self.prompt(case.prompt_tokens, case.sample),
                 max_tokens=case.max_tokens,
                 stream=False,
                 temperature=case.temperature,
@@ -759,7 +535,7 @@ class FaultMatrix:
                 cell=f"fault:golden:{case.name}",
                 arrival="fault",
             )
-            _, out = self._session(None).send(spec)
+            _, out = self.session(None).send(spec)
             checked += 1
             if not out.ok:
                 failures.append(f"golden {case.name}: {out.http_status} {out.error_code}")
@@ -771,9 +547,7 @@ class FaultMatrix:
 
     # ------------------------------------------------------------------ output
     def document(self) -> dict[str, Any]:
-        counts = {
-            v: sum(r["verdict"] == v for r in self.results) for v in (PASS, FAIL, ERROR, SKIPPED)
-        }
+        counts = {v: sum(r["verdict"] == v for r in self.results) for v in VERDICTS}
         return {
             "schema": FAULTS_SCHEMA,
             "run_id": self.manifest.run_id,
@@ -781,6 +555,7 @@ class FaultMatrix:
             "time_scale": self.scale,
             "slack_s": self.o.slack_s,
             "broken_rehearsal": self.o.broken or [],
+            "maintenance_authorization": self.authorization(),
             "infrastructure_error": getattr(self, "infra_error", None),
             "summary": counts,
             "exit_code": self.code,
@@ -811,12 +586,8 @@ def _keys(sc: FaultScenario) -> Iterator[tuple[int, int, int]]:
     if sc.load is not None and sc.load.concurrency:
         for i in range(sc.load.samples):
             yield (sc.load.prompt_tokens, 100 + i, sc.load.max_tokens)
-
-
-def _substitute(body: dict[str, Any] | None, calbin: str | None) -> dict[str, Any] | None:
-    if body is None:
-        return None
-    return {k: (calbin if v == "$served_calbin" else v) for k, v in body.items()}
+    if any(a.maintenance is not None for a in sc.actions):
+        yield PROBE_KEY
 
 
 def _summary(reqs: list[ReqObs]) -> dict[str, dict[str, int]]:
@@ -855,7 +626,8 @@ def _invalid(message: str) -> int:
 def run_accept_step(pipeline: Any) -> None:
     """The fault matrix as a step of `calculet-load accept` (after the matrix, before
     golden after; `--faults DIR`). Every scenario runs on the target under test, except
-    one that stops it. A failed scenario makes the run a correctness failure (exit 1)
+    one that stops it. A failed scenario, or one not run because the manifest does not
+    authorize its maintenance actions (§12.4), makes the run a correctness failure (exit 1)
     and the run goes on to golden after (the recovery check); an invalid scenario file
     stops the run with exit 2, a target without a fault API with exit 3."""
     from calculet_load.pipeline import Stop
@@ -870,7 +642,7 @@ def run_accept_step(pipeline: Any) -> None:
     opts = FaultOptions(
         manifest=o.manifest, scenarios=scenarios, url=pipeline.url,
         run_dir=str(pipeline.run_dir), golden=o.golden, admin_token=o.admin_token,
-        progress=o.progress, broken=broken,
+        progress=o.progress, broken=broken, run_started_wall_ns=_run_start(pipeline.run_dir),
     )  # fmt: skip
     try:
         fm = FaultMatrix(opts)
@@ -880,13 +652,33 @@ def run_accept_step(pipeline: Any) -> None:
     code = fm.run()
     doc = fm.document()
     failed = [r["name"] for r in fm.results if r["verdict"] in (FAIL, ERROR)]
+    not_run = [r["name"] for r in fm.results if r["verdict"] == NOT_RUN]
     log.write("faults", "end", code=code, summary=doc["summary"], failed=failed,
-              file="faults.json")  # fmt: skip
+              not_run=not_run, file="faults.json")  # fmt: skip
     if code == EXIT_INFRA:
         raise Stop(EXIT_INFRA, f"faults: {doc['infrastructure_error']}")
     if code == EXIT_FAIL:
         pipeline.code = 1
-        pipeline.notes.append(f"faults: {len(failed)} scenario(s) failed: {', '.join(failed)}")
+        if failed:
+            pipeline.notes.append(f"faults: {len(failed)} scenario(s) failed: {', '.join(failed)}")
+        if not_run:
+            pipeline.notes.append(
+                f"faults: {len(not_run)} scenario(s) NOT RUN (not authorized by the manifest, "
+                f"spec §12.4): {', '.join(not_run)}"
+            )
+
+
+def _run_start(run_dir: Path) -> int | None:
+    """When the acceptance run began: its first `run start` event (events.jsonl)."""
+    try:
+        with (Path(run_dir) / "events.jsonl").open(encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                if row.get("step") == "run" and row.get("status") == "start":
+                    return int(row["wall_ns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
 
 
 # ---------------------------------------------------------------------- CLI
@@ -952,7 +744,8 @@ def run(args: argparse.Namespace) -> int:
     doc = fm.document()
     s = doc["summary"]
     print(
-        f"faults: {s[PASS]} pass, {s[FAIL]} fail, {s[ERROR]} error, {s[SKIPPED]} skipped; "
+        f"faults: {s[PASS]} pass, {s[FAIL]} fail, {s[ERROR]} error, {s[SKIPPED]} skipped, "
+        f"{s[NOT_RUN]} NOT RUN (not authorized by the manifest); "
         f"exit {code}; {fm.run_dir / 'faults.json'}"
     )
     return code

@@ -1,4 +1,4 @@
-"""Fault scenarios as data (spec §12.1–§12.3): the schema of `configs/faults/*.yaml`.
+"""Fault scenarios as data (spec §12.1–§12.4): the schema of `configs/faults/*.yaml`.
 
 A scenario says how the fault is injected (a list of actions: arm a fault through the
 admin API of DESIGN §3.3, send requests, illegal lengths, bursts, cancels, admin calls,
@@ -151,6 +151,29 @@ class Admin(_M):
     background: bool = False
 
 
+MaintenanceAction = Literal["device_reset", "reload", "shutdown"]
+# Admin calls that act on the device or the served artifact (spec §12.4): they need the
+# manifest's maintenance authorization, and each is recorded.
+MAINTENANCE_PATHS: dict[str, MaintenanceAction] = {
+    "/admin/reset": "device_reset",
+    "/admin/load": "reload",
+    "/admin/shutdown": "shutdown",
+}
+PATH_OF: dict[str, str] = {v: k for k, v in MAINTENANCE_PATHS.items()}
+
+
+class Maintenance(_M):
+    """An authorized maintenance action under load (spec §12.4), fully recorded: the
+    operator, the wall time, the jobs in flight, versions and health before and after,
+    the requests it affected, and the recovery: the time until `/health` answers 200 with
+    the target ready and a probe request returns its reference output."""
+
+    action: MaintenanceAction
+    body: dict[str, Any] | None = None  # `$served_calbin` as in `admin`
+    label: str | None = None  # the answer, for `expect.admin`
+    recovery_timeout_s: float = Field(default=60.0, gt=0)  # target seconds, scaled
+
+
 class Action(_M):
     """Exactly one of the fields."""
 
@@ -168,6 +191,7 @@ class Action(_M):
     health: str | None = None  # GET /health, kept under this label
     cpu_start: str | None = None  # the target's CPU time from /metrics: a named window
     cpu_stop: str | None = None
+    maintenance: Maintenance | None = None
 
     @model_validator(mode="after")
     def _one(self) -> Action:
@@ -259,6 +283,10 @@ class Invariants(_M):
     no_nonfinite: bool = True  # no NaN/Inf in a success
     no_shared_leases: bool = True  # no OutputBuf lease handed to two live requests
     recovered: bool = True  # ready at the end and golden passes after recovery
+    # With maintenance actions: each has a complete record, and the target's audit log was
+    # only appended to, holds every admin call with its operator and no token (§12.4).
+    maintenance_logged: bool = True
+    audit_log: bool = True
 
 
 class Expect(_M):
@@ -273,17 +301,34 @@ class Expect(_M):
 class FaultScenario(_M):
     schema_: Literal["calculet-fault-scenario/v1"] = Field(alias="schema")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    section: Literal["12.1", "12.2", "12.3"]
+    section: Literal["12.1", "12.2", "12.3", "12.4"]
     title: str = Field(min_length=1)
     description: str = ""
     # The fault's name in the target's catalogue: a broken rehearsal arms it `broken`.
     target_fault: str
     # The scenario stops the target (shutdown): run last, only with --allow-stop.
     stops_target: bool = False
+    # Maintenance actions the target performs as its designed reaction to the fault (the
+    # recovery of a device fault is a device reset): they need the authorization too.
+    # Those the actions perform (`maintenance`, admin calls to /admin/reset, /admin/load,
+    # /admin/shutdown) are found from the actions.
+    maintenance: list[MaintenanceAction] = Field(default_factory=list)
     load: Load | None = Field(default_factory=Load)
     actions: list[Action] = Field(min_length=1)
     expect: Expect
     invariants: Invariants = Field(default_factory=Invariants)
+
+    def maintenance_actions(self) -> list[MaintenanceAction]:
+        """Every maintenance action the scenario performs or makes the target perform."""
+        found: set[MaintenanceAction] = set(self.maintenance)
+        for a in self.actions:
+            if a.maintenance is not None:
+                found.add(a.maintenance.action)
+            elif a.admin is not None and a.admin.method == "POST":
+                action = MAINTENANCE_PATHS.get(a.admin.path.split("?")[0])
+                if action is not None:
+                    found.add(action)
+        return sorted(found)
 
 
 def load_scenario(path: str | Path) -> FaultScenario:

@@ -44,13 +44,16 @@ class TargetAPI:
         self.operator = operator
         self.timeout_s = timeout_s
         self.offsets: dict[str, int] = {}
+        # when a list: every answered admin call (and audit read) is appended to it, so
+        # that the target's audit log can be checked against it (spec §12.4)
+        self.journal: list[dict[str, Any]] | None = None
 
     def _call(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
     ) -> tuple[int, bytes, dict[str, str]]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         headers = {"X-Operator": self.operator}
-        if path.startswith("/admin/") and self.token:
+        if (path.startswith("/admin/") or path.startswith("/traces/audit")) and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         data = None
         if body is not None:
@@ -58,8 +61,13 @@ class TargetAPI:
             headers["Content-Type"] = "application/json"
         try:
             conn.request(method, path, body=data, headers=headers)
+            wall_ns = time.time_ns()
             resp = conn.getresponse()
             raw = resp.read()
+            if self.journal is not None and headers.get("Authorization"):
+                self.journal.append(
+                    {"wall_ns": wall_ns, "method": method, "path": path, "status": resp.status}
+                )
             return resp.status, raw, {k.lower(): v for k, v in resp.getheaders()}
         finally:
             conn.close()
@@ -125,6 +133,11 @@ class TargetAPI:
                     continue
         return rows
 
+    def audit_log(self) -> tuple[int, bytes]:
+        """(status, the whole audit log): `GET /traces/audit` with the admin token."""
+        status, raw, _ = self.call("GET", "/traces/audit?offset=0", timeout_s=60)
+        return status, raw
+
     def skip_to_end(self, kind: str) -> None:
         """Start reading a trace from its current end (the bytes are read once)."""
         self.trace_rows(kind)
@@ -141,3 +154,18 @@ class TargetAPI:
             if time.monotonic() >= deadline:
                 return None
             gevent.sleep(interval_s)
+
+
+def time_scale(api: TargetAPI, hint: float | None) -> float:
+    """Real seconds per target second: `hint` (`--time-scale-hint`) when given, else the
+    `time_scale` of `/admin/state` (the simulator's `--time-scale`; needs the admin
+    token), else 1 (a real server, or the state not readable). Used by the soak and the
+    capacity search; call it inside the gevent loop (the state is read off the loop)."""
+    if hint:  # None or 0: not given
+        return float(hint)
+    if api.token:
+        try:
+            return float(api.state().get("time_scale") or 1.0)
+        except (OSError, TypeError, ValueError):
+            pass
+    return 1.0

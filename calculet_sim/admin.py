@@ -26,6 +26,9 @@ from calculet_sim.profile import Knobs
 from calculet_sim.traces import now_ns
 
 ENGINE = web.AppKey("engine", Engine)
+# GET /traces/audit: set only with faults enabled (the server's /traces/{kind} asks it)
+AuditReader = Callable[[web.Request], Awaitable[web.StreamResponse]]
+AUDIT_READER: web.AppKey[AuditReader] = web.AppKey("audit_reader")
 # lifecycle.reset outcome -> HTTP status of POST /admin/reset
 _RESET_STATUS = {"ok": 200, "coalesced": 409, "refused": 409, "failed": 500}
 _OPERATOR = re.compile(r"[A-Za-z0-9._@\-]{1,64}")
@@ -67,6 +70,7 @@ def state_of(eng: Engine) -> dict[str, Any]:
             "finished": eng.finished_jobs,
         },
         "isolated_shapes": sorted(eng.isolated_shapes),
+        "versions": {**eng.p.versions, "calbin_sha256": eng.calbin_sha256},
         "armed_faults": [f.public() for f in eng.faults.armed()],
         "counters": dict(eng.counters),
         "process": {
@@ -113,6 +117,34 @@ def add_routes(
 
         return handler
 
+    async def read_audit(request: web.Request) -> web.StreamResponse:
+        """`GET /traces/audit?offset=N`: the audit log's bytes, with the admin token only
+        (it names operators and parameters). The read itself is audited after it."""
+        before = _Before(eng)
+        operator = request.headers.get("X-Operator", "unknown")
+        if not _OPERATOR.fullmatch(operator):
+            operator = "invalid-operator-header"
+        auth = request.headers.get("Authorization", "")
+        if not (auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), expected)):
+            status = 401 if not auth else 403
+            message = "admin token required" if status == 401 else "admin token rejected"
+            return _audit(eng, before, operator, "read_audit", {}, status, {"error": message})
+        try:
+            offset = int(request.query.get("offset", "0"))
+        except ValueError:
+            offset = -1
+        if offset < 0:
+            body = {"error": "offset: expected an integer >= 0"}
+            return _audit(eng, before, operator, "read_audit", {}, 400, body)
+        data = eng.traces.read("audit", offset)
+        _audit(eng, before, operator, "read_audit", {"offset": offset}, 200, {})
+        return web.Response(
+            body=data,
+            content_type="application/x-ndjson",
+            headers={"X-Next-Offset": str(offset + len(data))},
+        )
+
+    app[AUDIT_READER] = read_audit
     app.router.add_get("/admin/state", guarded("state", _state))
     app.router.add_get("/admin/faults", guarded("list_faults", _list))
     app.router.add_post("/admin/faults", guarded("arm_fault", _arm))
@@ -223,6 +255,8 @@ async def _reset(request: web.Request, params: Any) -> tuple[int, dict[str, Any]
     eng = _engine(request)
     operator = request.headers.get("X-Operator", "unknown")
     result = await lifecycle.reset(eng, "admin", operator=operator)
+    if eng.faults.broken("maintenance_window"):
+        eng.traces.truncate_audit()  # a cover-up: the earlier rows are gone
     return _RESET_STATUS[result["reset"]], result
 
 

@@ -34,6 +34,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "configure_failure": ("12.3", "the next load fails; broken loses the old generation"),
     "reset_failure": ("12.3", "the next reset fails: instance Failed, supervisor restarts"),
     "repeated_faults": ("12.3", "`count` consecutive Wait timeouts; resets back off"),
+    "maintenance_window": ("12.4", "mode: broken truncates the audit log at the next reset"),
 }
 
 RC_TIMEOUT = 13

@@ -358,6 +358,9 @@ class Sim:
 
     async def trace(self, request: web.Request) -> web.StreamResponse:
         kind = request.match_info["kind"]
+        if kind == "audit" and admin.AUDIT_READER in request.app:
+            reader: admin.AuditReader = request.app[admin.AUDIT_READER]
+            return await reader(request)
         if kind not in TRACE_FILES or kind == "audit":
             raise Reject(404, "not_found", f"trace {kind!r}: one of server_events, steps, device")
         try:

@@ -78,6 +78,14 @@ class TraceWriter:
             return
         self._buffers[kind].append(line)
 
+    def truncate_audit(self) -> None:
+        """The `maintenance_window` broken mode only: empty the audit log, as an operator
+        covering up an experiment would (spec §12.4 forbids it; the harness must notice)."""
+        f = self._files.get("audit")
+        if f is not None:
+            f.truncate(0)
+            f.flush()
+
     def flush(self) -> None:
         for kind, buf in self._buffers.items():
             if buf and kind in self._files:

@@ -6,11 +6,12 @@ Fields marked REQUIRED in the spec must be present and valid or the run does not
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from calculet_load.configfile import read_yaml, validate
 
@@ -67,6 +68,52 @@ class Target(_Section):
     model: str | None = None
 
 
+MaintenanceAction = Literal["device_reset", "reload", "shutdown"]
+
+
+class MaintenanceWindow(_Section):
+    """When maintenance actions may be performed: `start` and `end` (wall times with a
+    time zone), or `duration_s` from the start of the run."""
+
+    start: AwareDatetime | None = None
+    end: AwareDatetime | None = None
+    duration_s: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> MaintenanceWindow:
+        if self.duration_s is not None:
+            if self.start is not None or self.end is not None:
+                raise ValueError("give start and end, or duration_s, not both")
+        elif self.start is None or self.end is None:
+            raise ValueError("give start and end (with a time zone), or duration_s")
+        elif self.end <= self.start:
+            raise ValueError("end must be after start")
+        return self
+
+    def bounds_ns(self, run_start_wall_ns: int) -> tuple[int, int]:
+        """[start, end) in wall ns; a duration counts from `run_start_wall_ns`."""
+        if self.duration_s is not None:
+            return run_start_wall_ns, run_start_wall_ns + int(self.duration_s * 1e9)
+        assert self.start is not None and self.end is not None
+        return _wall_ns(self.start), _wall_ns(self.end)
+
+
+def _wall_ns(t: dt.datetime) -> int:
+    return int(t.timestamp()) * 1_000_000_000 + t.microsecond * 1000
+
+
+class Maintenance(_Section):
+    """Spec §12.4: the explicit authorization for maintenance actions on the target
+    (device reset, reload of an artifact, shutdown). Without it, a fault scenario that
+    performs one is not run. Not among spec §5's fields: §12.4 asks for it."""
+
+    # who is accountable: sent as X-Operator with every admin call, kept in the audit log
+    operator: str = Field(pattern=r"^[A-Za-z0-9._@-]{1,64}$")
+    window: MaintenanceWindow
+    actions: list[MaintenanceAction] = Field(min_length=1)
+    ticket: str | None = None  # the change ticket or vendor contract that allows it
+
+
 class RunManifest(_Section):
     schema_: Literal["calculet-perf-run/v1"] = Field(alias="schema")
     run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")
@@ -81,6 +128,7 @@ class RunManifest(_Section):
     warmup_requests: int = Field(default=10, ge=0)
     measured_requests: int = Field(default=100, gt=0)
     timeout_s: float = Field(default=900, gt=0)
+    maintenance: Maintenance | None = None
 
 
 class ManifestError(ValueError):

@@ -1,9 +1,11 @@
-"""The fault matrix (`calculet-load faults`, spec §12.1–§12.3) against the real simulator.
+"""The fault matrix (`calculet-load faults`, spec §12.1–§12.4) against the real simulator.
 
 Designed behaviour: the whole matrix runs once on one shared simulator (time scale 0.02,
-faults enabled) and every scenario must PASS, exit 0. Broken modes: each scenario runs
-alone on a fresh simulator with its `target_fault` armed broken; it must FAIL (exit 1)
-with evidence naming the expectation the broken mode violates.
+faults enabled) under a manifest that authorizes maintenance actions (§12.4), and every
+scenario must PASS, exit 0. Broken modes: each scenario runs alone on a fresh simulator
+with its `target_fault` armed broken; it must FAIL (exit 1) with evidence naming the
+expectation the broken mode violates. Without the authorization: tests/load/
+test_maintenance.py.
 """
 
 from __future__ import annotations
@@ -56,15 +58,43 @@ BROKEN_EVIDENCE = {
     "reset_failure": "invariant: ready after recovery",
     "repeated_faults": "fact reset_backoffs",
     "shutdown_with_queue": "requests[running]",
+    "maintenance_window": "audit log: only appended to",
+}
+AUTHORIZATION = {
+    "operator": "alice@example.com",
+    "window": {"duration_s": 3600},
+    "actions": ["device_reset", "reload", "shutdown"],
+    "ticket": "CHG-0001",
 }
 
 
-def faults_cli(sim: SimProcess, run_dir: Path, *args: str, token: bool = True) -> int:
+def manifest_file(tmp: Path, maintenance: dict[str, Any] | None = AUTHORIZATION) -> Path:
+    """configs/manifest.sim.yaml, with this maintenance authorization (None: without)."""
+    import yaml
+
+    data = yaml.safe_load(MANIFEST.read_text())
+    data.pop("maintenance", None)
+    if maintenance is not None:
+        data["maintenance"] = maintenance
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / f"manifest-{len(list(tmp.glob('manifest-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def faults_cli(
+    sim: SimProcess,
+    run_dir: Path,
+    *args: str,
+    token: bool = True,
+    maintenance: dict[str, Any] | None = AUTHORIZATION,
+) -> int:
     env = dict(os.environ)
     env.pop("CALCULET_ADMIN_TOKEN", None)
     if token:
         env["CALCULET_ADMIN_TOKEN"] = ADMIN_TOKEN
-    cmd = [sys.executable, "-m", "calculet_load.cli", "faults", "--manifest", str(MANIFEST)]
+    manifest = manifest_file(run_dir.parent / f"{run_dir.name}-manifests", maintenance)
+    cmd = [sys.executable, "-m", "calculet_load.cli", "faults", "--manifest", str(manifest)]
     cmd += ["--url", sim.url, "--run-dir", str(run_dir), "--scenarios", str(SCENARIO_DIR)]
     proc = subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, timeout=600)
     (run_dir / "cli.log").parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +114,7 @@ def by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_every_scenario_of_the_spec_has_a_file() -> None:
     assert set(SCENARIOS) == set(BROKEN_EVIDENCE)
     sections = {s.name: s.section for s in load_scenarios(SCENARIO_DIR)}
-    assert sorted(set(sections.values())) == ["12.1", "12.2", "12.3"]
+    assert sorted(set(sections.values())) == ["12.1", "12.2", "12.3", "12.4"]
     assert SCENARIOS[-1] == "shutdown_with_queue"  # stops the target: always last
 
 
@@ -104,7 +134,9 @@ def test_designed_matrix_exits_0(designed: Designed) -> None:
     code, doc, _ = designed
     failed = {s["name"]: s["evidence"] for s in doc["scenarios"] if s["verdict"] != "PASS"}
     assert code == 0, json.dumps(failed, indent=1, default=str)[:4000]
-    assert doc["summary"] == {"PASS": len(SCENARIOS), "FAIL": 0, "ERROR": 0, "SKIPPED": 0}
+    assert doc["summary"] == {"PASS": len(SCENARIOS), "FAIL": 0, "ERROR": 0, "SKIPPED": 0,
+                              "NOT_RUN": 0}  # fmt: skip
+    assert doc["maintenance_authorization"]["operator"] == "alice@example.com"
     assert doc["time_scale"] == 0.02
 
 
@@ -131,6 +163,26 @@ def test_designed_run_folder(designed: Designed) -> None:
     reset_free = {"illegal_length", "kv_full", "device_busy", "invalid_shape", "output_nan"}
     for name in reset_free:
         assert by_name(doc)[name]["facts"]["resets"] == 0, name
+    # every maintenance action the matrix performed is recorded (spec §12.4)
+    records = [
+        json.loads(x) for x in (run / "faults" / "maintenance.jsonl").read_text().splitlines()
+    ]
+    performed = {(r["scenario"], r["action"]) for r in records}
+    assert performed == {
+        ("invalid_shape", "reload"), ("load_while_ready", "reload"),
+        ("configure_failure", "reload"), ("reset_failure", "device_reset"),
+        ("repeated_faults", "device_reset"), ("maintenance_window", "device_reset"),
+        ("shutdown_with_queue", "shutdown"),
+    }  # fmt: skip
+    for r in records:
+        assert r["operator"] == "alice@example.com" and r["ticket"] == "CHG-0001"
+        assert r["before"]["versions"] and r["after"]["versions"], r
+        assert r["before"]["health"]["status"] == 200 and r["in_flight"]["target"] is not None
+        assert r["affected"] is not None and r["recovery"] is not None
+        assert r["audit_row"]["operator"] == "alice@example.com", r
+    for name, sc in by_name(doc).items():  # the audit log checked wherever one was performed
+        audit = [c for c in sc["checks"] if c["check"].startswith("audit log")]
+        assert bool(audit) == bool(sc["maintenance_actions"]), name
 
 
 # ------------------------------------------------------------------------ broken modes
@@ -240,7 +292,12 @@ pytestmark = pytest.mark.timeout(900)
 
 
 # ------------------------------------------------------------------ the accept step
-def _accept(start_sim: StartSim, tmp_path: Path, broken: str | None) -> tuple[int, Path, str]:
+def _accept(
+    start_sim: StartSim,
+    tmp_path: Path,
+    broken: str | None,
+    maintenance: dict[str, Any] | None = AUTHORIZATION,
+) -> tuple[int, Path, str]:
     """`calculet-load accept --faults` with a one-cell matrix and one scenario."""
     import yaml
 
@@ -258,7 +315,8 @@ def _accept(start_sim: StartSim, tmp_path: Path, broken: str | None) -> tuple[in
     if broken:
         env["CALCULET_FAULTS_BROKEN"] = broken
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "calculet_load.cli", "accept", "--manifest", str(MANIFEST),
+    manifest_path = manifest_file(tmp_path / "manifests", maintenance)
+    cmd = [sys.executable, "-m", "calculet_load.cli", "accept", "--manifest", str(manifest_path),
            "--matrix", str(matrix), "--golden", str(GOLDEN), "--url", sim.url,
            "--run-dir", str(run), "--faults", str(SCENARIO_DIR / "12.3-2-configure_failure.yaml"),
            "--idle-window-s", "0.3", "--idle-gap-s", "0", "--min-repetitions", "2",

@@ -4,6 +4,7 @@ violates it observably (what the client sees, /admin/state, server_events)."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from tests.sim.faultkit import (
     whole,
 )
 from tests.sim.helpers import prompt_ids
-from tests.simproc import SimProcess
+from tests.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 
@@ -33,6 +34,7 @@ SCENARIOS_TESTED = {
     "configure_failure",
     "reset_failure",
     "repeated_faults",
+    "maintenance_window",
 }
 
 NEW_SHA = "ab" * 32
@@ -253,3 +255,31 @@ def test_repeated_faults_broken_reset_storm(start_sim: StartSim) -> None:
 
 
 pytestmark = pytest.mark.timeout(60)
+
+
+# ------------------------------------------------------------------ maintenance_window
+def test_maintenance_window_audit_log_read_with_the_token_and_never_truncated(
+    start_sim: StartSim,
+) -> None:
+    """§12.4: the audit log is served (`/traces/audit`) to the admin token only, and a
+    reset appends to it; the broken mode truncates it at the next reset (a cover-up)."""
+    sim = _fast(start_sim)
+    assert sim.request("GET", "/traces/audit")[0] == 401
+    assert sim.request("GET", "/traces/audit", headers={"Authorization": "Bearer nope"})[0] == 403
+    arm(sim, "maintenance_window")
+    assert sim.admin("POST", "/admin/reset")[0] == 200
+    auth = {"Authorization": "Bearer " + ADMIN_TOKEN, "X-Operator": "pytest"}
+    status, hdrs, body = sim.request("GET", "/traces/audit?offset=0", headers=auth)
+    assert status == 200 and hdrs["content-type"].startswith("application/x-ndjson")
+    rows = [json.loads(x) for x in body.splitlines()]
+    assert [r["action"] for r in rows] == ["read_audit", "read_audit", "arm_fault", "reset"]
+    assert [r["http_status"] for r in rows[:2]] == [401, 403]
+    assert sim.state()["versions"]["calbin_sha256"] == "0" * 64
+    designed = sim.audit()
+    assert designed[: len(rows)] == rows  # the read itself was appended after it
+
+    arm(sim, "maintenance_window", broken=True)
+    assert sim.admin("POST", "/admin/reset")[0] == 200
+    after = sim.audit()
+    assert [r["action"] for r in after] == ["reset"]  # every earlier row is gone
+    assert len(designed) > 1
