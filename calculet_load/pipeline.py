@@ -409,6 +409,23 @@ class Pipeline:
             self.notes.append("idle: the device did not become stable within the timeout")
         self.say(f"idle sampling: {'stable' if stable else 'NOT stable'} ({len(rows)} samples)")
 
+    def _device_now(self) -> dict[str, Any] | None:
+        """The device as a cell starts or ends (§8: temperature and throttling per
+        round): hottest chip, total power, lowest frequency, throttled chips; None when
+        the target has no chip gauges."""
+        try:
+            v = _chip_gauges(_get_bytes(f"{self.url}/metrics").decode())
+        except (OSError, ValueError):
+            return None
+        if not v["temperature_c"]:
+            return None
+        return {
+            "temperature_c": max(v["temperature_c"]),
+            "power_w": sum(v["power_w"]) if v["power_w"] else None,
+            "frequency_mhz": min(v["frequency_mhz"]) if v["frequency_mhz"] else None,
+            "throttled_chips": int(sum(v["throttled"])),
+        }
+
     # --------------------------------------------------------------- 3/6 golden
     def _golden(self, step: str) -> None:
         if self.golden is None:
@@ -527,7 +544,7 @@ class Pipeline:
         entry["status"], entry["worker"] = "running", self.worker
         entry["started_wall_ns"] = time.time_ns()
         self._save_plan()
-        self.log.write("cell", "start", cell=cell.name)
+        self.log.write("cell", "start", cell=cell.name, device=self._device_now())
         self.say(f"cell {progress} {cell.name}: {entry['repetitions']} request(s){self.label}")
         try:
             sent = self._run_cell(cell, entry["repetitions"], int(entry["seed"]))
@@ -538,7 +555,7 @@ class Pipeline:
         entry["status"], entry["requests"] = "done", sent
         entry["ended_wall_ns"] = time.time_ns()
         self._save_plan()
-        self.log.write("cell", "end", cell=cell.name, requests=sent)
+        self.log.write("cell", "end", cell=cell.name, requests=sent, device=self._device_now())
         if self.o.idle_gap_s:
             gevent.sleep(self.o.idle_gap_s)
 
@@ -798,17 +815,24 @@ def _optional(module: str, name: str) -> Any:
         return None
 
 
-def _device_sample(text: str) -> tuple[float, float, float] | None:
-    """(hottest chip C, total power W, lowest frequency MHz) from Prometheus text."""
+def _chip_gauges(text: str) -> dict[str, list[float]]:
+    """The §10.3 chip gauges of Prometheus text, each a list over the chips."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    values: dict[str, list[float]] = {"temperature_c": [], "power_w": [], "frequency_mhz": []}
+    keys = ("temperature_c", "power_w", "frequency_mhz", "throttled")
+    values: dict[str, list[float]] = {k: [] for k in keys}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            for key, bucket in values.items():
-                if sample.name == f"calculet_chip_{key}":
-                    bucket.append(float(sample.value))
-    if not all(values.values()):
+            key = sample.name.removeprefix("calculet_chip_")
+            if key in values:
+                values[key].append(float(sample.value))
+    return values
+
+
+def _device_sample(text: str) -> tuple[float, float, float] | None:
+    """(hottest chip C, total power W, lowest frequency MHz) from Prometheus text."""
+    values = _chip_gauges(text)
+    if not (values["temperature_c"] and values["power_w"] and values["frequency_mhz"]):
         return None
     return max(values["temperature_c"]), sum(values["power_w"]), min(values["frequency_mhz"])
 

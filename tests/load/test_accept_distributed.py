@@ -139,6 +139,10 @@ def test_local_workers_share_every_load_shape_and_the_index_lists_them(
     events = _events(run_dir)
     order = [e["step"] for e in events]
     assert order.index("workers") < order.index("golden_before") < order.index("matrix")
+    cell_events = [e for e in events if e["step"] == "cell"]
+    assert len(cell_events) == 2 * len(SMALL_MATRIX)
+    for e in cell_events:  # the device as each cell starts and ends (§8, per round)
+        assert e["device"]["temperature_c"] > 0 and e["device"]["throttled_chips"] >= 0, e
     port = next(e["port"] for e in events if e["step"] == "workers" and e["status"] == "start")
     assert _workers_on_port(port) == []  # the local workers ended with the run
 
