@@ -94,7 +94,7 @@ def load_view(uri: str) -> RunView:
 
 def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
     """The whole report's view model from the run folder (and the baseline's)."""
-    from analysis import cellviews, counterexamples, loadcurves, provenance, timelines
+    from analysis import cellviews, counterexamples, loadcurves, provenance, soakgaps, timelines
     from analysis.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS
     from analysis.viewmodel import ReportView
 
@@ -141,11 +141,13 @@ def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
         timelines.device_section(rv),
         timelines.selfwatch_section(rv),
         timelines.server_section(rv),
+        soakgaps.soak_verdict_section(rv),
         timelines.soak_section(rv),
         timelines.faults_section(rv),
         provenance.signature_section(rv),
         provenance.vendor_section(rv),
     )
+    notes += soakgaps.gap_notes(rv)
     notes += list((rv.verdict or {}).get("run", {}).get("notes") or []) + rv.files.notes
     if base is not None:
         notes += [f"baseline: {n}" for n in base.files.notes]

@@ -47,7 +47,7 @@ from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.selfwatch import TIMER_SLACK_S
 from calculet_load.session import RequestSpec, RunContext, Session
 from calculet_load.sink import PartSink
-from calculet_load.targetapi import TargetAPI, off_loop
+from calculet_load.targetapi import TargetAPI, off_loop, time_scale
 from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
 
 CAPACITY_SCHEMA = "calculet-capacity/v1"
@@ -175,13 +175,7 @@ class Capacity:
         except OSError as exc:
             self.say(f"capacity: target {self.url} unreachable: {exc}")
             return EXIT_INFRA
-        scale = self.a.time_scale_hint
-        if scale is None and self.token:
-            try:
-                scale = float(self.api.state().get("time_scale") or 1.0)
-            except OSError:
-                scale = None
-        self.scale = float(scale or 1.0)
+        self.scale = time_scale(self.api, self.a.time_scale_hint)
         self.api.skip_to_end("server_events")
         self.session.pool.prewarm(min(self.a.max_in_flight, 64))
         self.say(

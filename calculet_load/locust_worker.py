@@ -190,34 +190,12 @@ class Worker:
         d = record.durations_ms
         kind = self.opts.protocol
         fire = self.env.events.request.fire
-        tokens = record.ext.client_output_tokens or 0
-        if d.ttft is not None:
-            fire(
-                request_type=kind,
-                name="TTFT",
-                response_time=d.ttft,
-                response_length=0,
-                exception=None,
-                context={},
-            )
-        if d.tpot is not None:
-            fire(
-                request_type=kind,
-                name="TPOT",
-                response_time=d.tpot,
-                response_length=0,
-                exception=None,
-                context={},
-            )
-        if record.ext.ttft_from_intended_ms is not None:
-            fire(
-                request_type=kind,
-                name="TTFT from intended",
-                response_time=record.ext.ttft_from_intended_ms,
-                response_length=0,
-                exception=None,
-                context={},
-            )
+        timings = (("TTFT", d.ttft), ("TPOT", d.tpot),
+                   ("TTFT from intended", record.ext.ttft_from_intended_ms))  # fmt: skip
+        for name, ms in timings:
+            if ms is not None:
+                fire(request_type=kind, name=name, response_time=ms, response_length=0,
+                     exception=None, context={})  # fmt: skip
         exc = (
             None
             if out.error_class is None
@@ -227,7 +205,7 @@ class Worker:
             request_type=kind,
             name="E2E",
             response_time=d.e2e if d.e2e is not None else _elapsed_ms(record),
-            response_length=tokens,
+            response_length=record.ext.client_output_tokens or 0,
             exception=exc,
             context={},
         )

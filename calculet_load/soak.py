@@ -19,9 +19,25 @@ During the run (not only at the end):
 Then `calculet-load analyze` judges the folder (the leak rule reads
 `server/resources.jsonl`) and the stage's conditions are checked: no leak, no hang (no
 request over `max_request_s`, none left in flight), no abort, error rate, golden before
-and after, client memory flat. `soak.json` holds every condition with what was seen.
-Exit codes: 0 pass; 1 a condition failed (correctness/reliability); 2 invalid stage or
-manifest; 3 infrastructure (the client saturated, the target unreachable at the start).
+and after, client memory flat, client continuity. `soak.json` holds every condition with
+what was seen.
+
+Resuming (`--resume RUN_DIR`): `soak/state.json` holds the stage's plan and its planned
+end on the wall clock, and each client process (attempt) that ran it. A process killed
+mid-stage (SIGKILL, OOM, host reboot) leaves its closed Parquet parts and samples; the
+part open at the kill is lost. Re-running with `--resume` continues the same folder under
+a new worker name (w00, then w00-r1, w00-r2, ...) until the planned end, and records the
+gap: from the last record or sample of the dead process to the resume, with its reason,
+in `soak.json` (`gaps`) and `events.jsonl`. SIGTERM/SIGINT stop the load, flush the
+sink and the samples, and leave a resumable state (exit 143/130). A run with a gap is
+not a clean pass: the target's conditions are judged from its own samples (the leak per
+segment between gaps, and over the joined series where the clocks are comparable), and
+the condition `client continuity` fails as an infrastructure problem.
+
+Exit codes: 0 pass; 1 a condition on the target failed (correctness/reliability); 2
+invalid stage, manifest or resume; 3 infrastructure (the client saturated or restarted
+mid-stage, the target unreachable at the start); 143/130 stopped by SIGTERM/SIGINT
+(resumable).
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ import functools
 import itertools
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -51,7 +68,7 @@ from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.sink import PartSink
-from calculet_load.targetapi import TargetAPI, off_loop
+from calculet_load.targetapi import TargetAPI, off_loop, time_scale
 from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
 
 SOAK_SCHEMA = "calculet-soak-stage/v1"
@@ -59,6 +76,15 @@ STAGE_DIR = Path(__file__).resolve().parents[1] / "configs" / "soak"
 EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_INFRA = 0, 1, 2, 3
 MIN_SAMPLE_S = 0.5  # real seconds between two samples of one kind, at the least
 MIN_CLIENT_SAMPLES = 20  # client RSS samples needed to judge its slope
+# ... and the real seconds they must span after the warmup: a process' own warmup
+# (imports, connection pool, Parquet writer, allocator arenas) takes seconds of real time
+# whatever the stage, and a per-hour slope over less is that warmup, not a trend
+MIN_CLIENT_SPAN_S = 30.0
+STATE_SCHEMA = "calculet-soak-state/v1"
+STATE_FILE = "soak/state.json"
+TERM_DRAIN_S = 15.0  # after SIGTERM: real seconds the requests in flight get to finish
+EXIT_TERM = 128 + signal.SIGTERM
+TRACE_KINDS = ("server_events", "steps", "device")
 
 
 class _M(BaseModel):
@@ -155,12 +181,79 @@ class _JsonLines:
             f.write(json.dumps(row, separators=(",", ":"), default=str) + "\n")
 
 
+def _boot_id() -> str | None:
+    """This boot of the host (a monotonic clock is only comparable within one boot)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Is `pid` a running calculet-load soak (not a reused pid)?"""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and "soak" in proc.cmdline()
+    except (psutil.Error, OSError):
+        return False
+
+
+def _repair_tail(path: Path) -> int:
+    """Cut a line left half-written by a killed process (appending after it would make a
+    line that is not JSON); the bytes dropped."""
+    try:
+        with path.open("rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return 0
+            pos = size
+            while pos > 0:
+                step = min(65536, pos)
+                f.seek(pos - step)
+                chunk = f.read(step)
+                nl = chunk.rfind(b"\n")
+                if nl != -1:
+                    keep = pos - step + nl + 1
+                    break
+                pos -= step
+            else:
+                keep = 0
+            if keep < size:
+                f.truncate(keep)
+            return size - keep
+    except FileNotFoundError:
+        return 0
+
+
+def _last_row(path: Path, worker: str | None = None) -> dict[str, Any] | None:
+    """The last JSON row of a JSONL file (of `worker`, when rows name one)."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and (worker is None or row.get("worker", "w00") == worker):
+            return row
+    return None
+
+
+def _iso(wall_ns: int | None) -> str | None:
+    if wall_ns is None:
+        return None
+    t = wall_ns / 1e9
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
-        self.golden = load_golden(args.golden) if args.golden else None
         target = self.manifest.target
         self.url = (args.url or (target.url if target else "")).rstrip("/")
         if not self.url:
@@ -168,29 +261,225 @@ class Soak:
         self.protocol = target.protocol if target else "llama"
         self.model = target.model if target else None
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
-        default_dir = Path("runs") / f"{self.manifest.run_id}-soak-{self.stage.name}"
-        self.run_dir = Path(args.run_dir or default_dir)
+        self.state: dict[str, Any] | None = None
+        if args.resume:
+            if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+                raise StageError("--run-dir and --resume name different folders")
+            self.run_dir = Path(args.resume)
+            self.state = self._resumable_state()
+        else:
+            default_dir = Path("runs") / f"{self.manifest.run_id}-soak-{self.stage.name}"
+            self.run_dir = Path(args.run_dir or default_dir)
+            if (self.run_dir / STATE_FILE).exists():
+                raise StageError(
+                    f"{self.run_dir} holds a soak already: continue it with --resume "
+                    f"{self.run_dir}, or give another --run-dir"
+                )
+        self.opts = self._options()
+        self.golden = load_golden(self.opts["golden"]) if self.opts["golden"] else None
         self.api = TargetAPI(self.url, self.token, operator="calculet-load-soak")
         st = self.stage
         if st.pass_.golden and self.golden is None:
             raise StageError(f"stage {st.name}: pass.golden needs --golden FILE")
         self.mix = load_mix(st.load.mix) if st.load.mix else None
         self.counts: dict[str, int] = {"sent": 0, "ok": 0, "errors": 0, "dropped": 0}
-        self.errors_by: dict[str, int] = {}
-        self.longest_s = 0.0
-        self.health_failures: list[dict[str, Any]] = []
         self.notes: list[str] = []
+        self.terminating: int | None = None  # the signal that stopped the run
+        self.senders = gevent.pool.Group()  # every greenlet that sends requests
+        self.plan: dict[str, Any] = {}
+        self.t_start = self.t_end = float("inf")  # monotonic s: the stage's planned start, end
 
     def say(self, text: str) -> None:
         if not self.args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
+    # ------------------------------------------------------------------ resuming
+    def _resumable_state(self) -> dict[str, Any]:
+        path = self.run_dir / STATE_FILE
+        try:
+            state: dict[str, Any] = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise StageError(f"--resume {self.run_dir}: no {STATE_FILE}: not a soak run") from None
+        except ValueError:
+            raise StageError(f"--resume: {path}: invalid JSON") from None
+        if state.get("schema") != STATE_SCHEMA:
+            raise StageError(
+                f"--resume: {path}: schema {state.get('schema')!r}, not {STATE_SCHEMA}"
+            )
+        if state.get("stage") != self.stage.name:
+            raise StageError(
+                f"--resume: {self.run_dir} runs stage {state.get('stage')!r}, not "
+                f"{self.stage.name!r}"
+            )
+        if state.get("run_id") != self.manifest.run_id:
+            raise StageError(
+                f"--resume: {self.run_dir} is run {state.get('run_id')!r}; the manifest says "
+                f"{self.manifest.run_id!r}"
+            )
+        if state.get("status") == "done":
+            raise StageError(f"--resume: {self.run_dir} has finished already (soak.json)")
+        prev = (state.get("attempts") or [None])[-1]
+        if (
+            prev is not None
+            and prev.get("boot_id") == _boot_id()
+            and prev.get("host") == socket.gethostname()
+            and prev.get("pid") != os.getpid()
+            and _alive(int(prev["pid"]))
+        ):
+            raise StageError(
+                f"--resume: the soak of {self.run_dir} is still running (pid {prev['pid']})"
+            )
+        return state
+
+    def _options(self) -> dict[str, Any]:
+        """The options that define the run; on --resume the run's own (an option given
+        again must agree with them)."""
+        a = self.args
+        given: dict[str, Any] = {
+            "duration_scale": a.duration_scale,
+            "target_rate": a.target_rate,
+            "seed": a.seed,
+            "time_scale_hint": a.time_scale_hint,
+            "golden": str(Path(a.golden).resolve()) if a.golden else None,
+            "rules": str(Path(a.rules).resolve()) if a.rules else None,
+        }
+        if self.state is None:
+            return {
+                **given,
+                "duration_scale": 1.0 if a.duration_scale is None else a.duration_scale,
+                "target_rate": a.target_rate or self.stage.target_rate_qps,
+                "seed": 0 if a.seed is None else a.seed,
+            }
+        saved: dict[str, Any] = self.state["options"]
+        for key, value in given.items():
+            if value is not None and value != saved.get(key):
+                raise StageError(
+                    f"--resume: --{key.replace('_', '-')} {value} differs from the run's "
+                    f"{saved.get(key)} (soak/state.json)"
+                )
+        return saved
+
+    def _save_state(self) -> None:
+        assert self.state is not None
+        self.state["plan"] = self.plan
+        self.state["notes"] = self.notes
+        path = self.run_dir / STATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(json.dumps(self.state, indent=1, default=str))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+
+    def _event(self, status: str, **detail: Any) -> None:
+        """A row of the run's `events.jsonl` (the format of `accept`'s event log)."""
+        self.events.write({"wall_ns": time.time_ns(), "step": "soak", "status": status,
+                           "worker": self.worker, **detail})  # fmt: skip
+
+    def _repair_files(self) -> dict[str, int]:
+        """Cut lines half-written at the kill, in every file this run appends to."""
+        cut = {}
+        names = ["events.jsonl", "soak/health.jsonl", "client/resources.jsonl",
+                 "server/resources.jsonl"] + [f"server/{k}.jsonl" for k in TRACE_KINDS]  # fmt: skip
+        for name in names:
+            n = _repair_tail(self.run_dir / name)
+            if n:
+                cut[name] = n
+        return cut
+
+    def _gap(self, prev: dict[str, Any]) -> dict[str, Any] | None:
+        """The gap the previous attempt left: from its last record or sample to now."""
+        assert self.state is not None
+        if prev.get("status") == "running":  # it never wrote its end: it died
+            prev["status"] = "killed"
+        if "planned_end_wall_ns" not in self.state:
+            self.notes.append(
+                f"attempt {prev['worker']} stopped before the load started: the stage started over"
+            )
+            return None
+        if self.state.get("status") == "judging":
+            self.notes.append(f"attempt {prev['worker']} stopped after the load: judged again")
+            return None
+        w = prev["worker"]
+        evidence: dict[str, int] = {"attempt start": int(prev["started_wall_ns"])}
+        for label, path, worker in (
+            ("client sample", self.run_dir / "client" / "resources.jsonl", w),
+            ("health sample", self.run_dir / "soak" / "health.jsonl", None),
+            ("server resource sample", self.run_dir / "server" / "resources.jsonl", None),
+        ):
+            row = _last_row(path, worker)
+            if row is not None and isinstance(row.get("wall_ns"), int):
+                evidence[label] = row["wall_ns"]
+        if prev.get("ended_wall_ns"):
+            evidence["clean stop"] = int(prev["ended_wall_ns"])
+        start_by, start = max(evidence.items(), key=lambda kv: kv[1])
+        resumed = time.time_ns()
+        planned_end = int(self.state["planned_end_wall_ns"])
+        end = max(start, min(resumed, planned_end))
+        on_disk = self._disk_counts(workers={w})
+        last = _last_row(self.run_dir / "client" / "resources.jsonl", w) or {}
+        if prev.get("status") == "terminated":
+            reason = f"client stopped by {prev.get('signal', 'a signal')} (flushed, resumable)"
+            lost: dict[str, Any] = {"open_part_lost": False, "requests_on_disk": on_disk["records"]}
+        else:
+            if prev.get("boot_id") not in (None, _boot_id()):
+                reason = "host rebooted: the client process died with it (no clean stop)"
+            else:
+                reason = "client process died without a clean stop (SIGKILL, OOM kill or crash)"
+            sent_last = int(last.get("sent", 0))
+            lost = {
+                "open_part_lost": True,
+                "lost_requests": "unknown",
+                "requests_on_disk": on_disk["records"],
+                "sent_at_last_sample": sent_last,
+                "lost_requests_at_least": max(0, sent_last - on_disk["sent"]),
+                "in_flight_at_last_sample": int(last.get("in_flight", 0)),
+            }
+        prev.setdefault("ended_wall_ns", start)
+        gap = {
+            "index": len(self.state["gaps"]) + 1,
+            "start_wall_ns": start,
+            "end_wall_ns": end,
+            "resumed_wall_ns": resumed,
+            "start": _iso(start),
+            "end": _iso(end),
+            "duration_s": round((end - start) / 1e9, 3),
+            "duration_target_s": round((end - start) / 1e9 / self.scale, 3),
+            "start_evidence": start_by,
+            "reason": reason,
+            "before_worker": w,
+            "after_worker": self.worker,
+            **lost,
+        }
+        if resumed > planned_end:
+            gap["note"] = "resumed after the stage's planned end: the rest of the stage is lost"
+        return gap
+
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "manifest.yaml").write_text(Path(self.args.manifest).read_text())
-        self.ctx = RunContext.from_manifest(self.manifest, "w00")
-        self.sink = PartSink(str(self.run_dir), "w00")
+        repaired = self._repair_files() if self.state is not None else {}
+        attempts = self.state["attempts"] if self.state is not None else []
+        self.worker = "w00" if not attempts else f"w00-r{len(attempts)}"
+        self.events = _JsonLines(self.run_dir / "events.jsonl")
+        if repaired:
+            self.notes.append(f"cut half-written lines left by the killed process: {repaired}")
+        if self.state is None:
+            (self.run_dir / "manifest.yaml").write_text(Path(self.args.manifest).read_text())
+        from calculet_load.clock import clock_provenance
+
+        self.attempt: dict[str, Any] = {
+            "worker": self.worker,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "boot_id": _boot_id(),
+            "started_wall_ns": time.time_ns(),
+            "status": "running",
+            **clock_provenance(),
+        }
+        self.ctx = RunContext.from_manifest(self.manifest, self.worker)
+        self.sink = PartSink(str(self.run_dir), self.worker)
         timeout = self.manifest.timeout_s
         self.session = Session(
             self.ctx,
@@ -208,7 +497,7 @@ class Soak:
             mode="chat" if self.protocol == "openai-chat" else "ids",
         )
         self.prompts: dict[tuple[int, int], Prompt] = {}
-        self.watch = SelfWatch(self.sink, "w00", in_flight=lambda: self.session.in_flight)
+        self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
         code = EXIT_OK
         try:
             code = run_in_greenlet(self._run)
@@ -217,59 +506,113 @@ class Soak:
             self.sink.close()
         return code
 
+    def _on_signal(self, signum: int) -> None:
+        """SIGTERM/SIGINT: end the load now, give the requests in flight TERM_DRAIN_S,
+        then flush and leave a resumable state (in _run)."""
+        if self.terminating is not None:
+            return
+        self.terminating = signum
+        name = signal.Signals(signum).name
+        self.say(f"soak: {name}: stopping the load; the run stays resumable")
+        self.t_end = min(self.t_end, time.monotonic())
+        for g in getattr(self, "_stoppable", []):
+            g.kill(block=False)
+        gevent.spawn_later(TERM_DRAIN_S, self.senders.kill, block=False)
+
     def _run(self) -> int:
         st = self.stage
+        watchers = [gevent.signal_handler(s, self._on_signal, s)
+                    for s in (signal.SIGTERM, signal.SIGINT)]  # fmt: skip
+        try:
+            return self._run_stage(st)
+        finally:
+            for w in watchers:
+                w.cancel()
+
+    def _run_stage(self, st: SoakStage) -> int:
         try:
             status, health = self.api.health()
         except OSError as exc:
             self.say(f"soak: target {self.url} unreachable: {exc}")
             return EXIT_INFRA
-        scale = self.args.time_scale_hint
-        if scale is None and self.token:
-            try:
-                scale = float(self.api.state().get("time_scale") or 1.0)
-            except OSError:
-                scale = None
-        self.scale = float(scale or 1.0)
-        self.dscale = float(self.args.duration_scale)
-        self.rate_target = float(self.args.target_rate or st.target_rate_qps)
-        duration_real = st.duration_s * self.dscale * self.scale
+        self.dscale = float(self.opts["duration_scale"])
+        self.rate_target = float(self.opts["target_rate"])
+        gap = None
+        if self.state is None:
+            self.scale = time_scale(self.api, self.opts["time_scale_hint"])
+            duration_real = st.duration_s * self.dscale * self.scale
+            self.plan = {
+                "schema": "calculet-soak/v1",
+                "stage": st.name,
+                "title": st.title,
+                "spec": st.spec,
+                "run_id": self.manifest.run_id,
+                "target": self.url,
+                "time_scale": self.scale,
+                "duration_scale": self.dscale,
+                "rehearsal": self.dscale < 1.0 or self.scale != 1.0,
+                "stage_duration_s": st.duration_s,
+                "run_duration_target_s": st.duration_s * self.dscale,
+                "run_duration_real_s": duration_real,
+                "target_rate_qps": self.rate_target,
+                "offered_rate_target_qps": self.rate_target * st.load.rate_fraction,
+                "offered_rate_real_qps": self.rate_target * st.load.rate_fraction / self.scale,
+                "load": st.load.model_dump(),
+                "bursts": st.bursts.model_dump() if st.bursts else None,
+                "started_wall_ns": time.time_ns(),
+                "health_at_start": {"status": status, "body": health},
+            }
+            self.state = {"schema": STATE_SCHEMA, "stage": st.name, "run_id": self.manifest.run_id,
+                          "options": self.opts, "time_scale": self.scale, "status": "starting",
+                          "attempts": [], "gaps": []}  # fmt: skip
+        else:
+            self.scale = float(self.state["time_scale"])
+            self.plan = self.state["plan"]
+            self.notes = list(self.state.get("notes") or []) + self.notes
+            prev = self.state["attempts"][-1] if self.state["attempts"] else None
+            gap = self._gap(prev) if prev is not None else None
+            if gap is not None:
+                self.state["gaps"].append(gap)
+            self.plan.setdefault("health_at_resume", []).append(
+                {"worker": self.worker, "status": status, "body": health}
+            )
+        duration_real = float(self.plan["run_duration_real_s"])
+        self.state["attempts"].append(self.attempt)
+        self._save_state()
+        # trace offsets: the local copies hold exactly the bytes read so far
+        for kind in TRACE_KINDS:
+            path = self.run_dir / "server" / f"{kind}.jsonl"
+            self.api.offsets[kind] = path.stat().st_size if path.exists() else 0
+        if gap is not None:
+            self._event("gap", **gap)
+            self.say(
+                f"soak {st.name}: resuming {self.run_dir} as {self.worker}; gap {gap['index']}: "
+                f"{gap['start']} .. {gap['end']} ({gap['duration_s']:.1f} s): {gap['reason']}"
+            )
+        self._event("resume" if len(self.state["attempts"]) > 1 else "start",
+                    attempt=len(self.state["attempts"]), pid=os.getpid())  # fmt: skip
         # a part per ~1/30 of a short rehearsal (10 s at most): the client's memory then
         # reaches its steady sawtooth early, as in a long stage
         self.sink.rotate_s = min(10.0, max(1.0, duration_real / 30))
         rate_real = self.rate_target * st.load.rate_fraction / self.scale
-        self.plan: dict[str, Any] = {
-            "schema": "calculet-soak/v1",
-            "stage": st.name,
-            "title": st.title,
-            "spec": st.spec,
-            "run_id": self.manifest.run_id,
-            "target": self.url,
-            "time_scale": self.scale,
-            "duration_scale": self.dscale,
-            "rehearsal": self.dscale < 1.0 or self.scale != 1.0,
-            "stage_duration_s": st.duration_s,
-            "run_duration_target_s": st.duration_s * self.dscale,
-            "run_duration_real_s": duration_real,
-            "target_rate_qps": self.rate_target,
-            "offered_rate_target_qps": self.rate_target * st.load.rate_fraction,
-            "offered_rate_real_qps": rate_real,
-            "load": st.load.model_dump(),
-            "bursts": st.bursts.model_dump() if st.bursts else None,
-            "started_wall_ns": time.time_ns(),
-            "health_at_start": {"status": status, "body": health},
-        }
-        self.say(
-            f"soak {st.name}: {st.duration_s * self.dscale:g} target s "
-            f"(x{self.dscale:g} of {st.duration_s:g}) = {duration_real:.1f} s real at time "
-            f"scale {self.scale:g}; {st.load.kind} loop"
-            + (f" at {rate_real:.3g} req/s real" if st.load.kind == "open" else "")
-        )
-        golden_before = self._golden("before") if self.golden else None
+        if len(self.state["attempts"]) == 1:
+            self.say(
+                f"soak {st.name}: {st.duration_s * self.dscale:g} target s "
+                f"(x{self.dscale:g} of {st.duration_s:g}) = {duration_real:.1f} s real at time "
+                f"scale {self.scale:g}; {st.load.kind} loop"
+                + (f" at {rate_real:.3g} req/s real" if st.load.kind == "open" else "")
+            )
+        if self.golden and "golden_before" not in self.state:
+            self.state["golden_before"] = self._golden("before")
+            self._save_state()
+        if self.terminating is not None:
+            return self._stop()
         warm = st.load.prewarm_connections + (st.bursts.size if st.bursts else 0)
-        self.plan["prewarmed_connections"] = self.session.pool.prewarm(
+        prewarmed = self.session.pool.prewarm(
             min(warm, st.load.max_in_flight + (st.bursts.size if st.bursts else 0))
         )
+        self.plan.setdefault("prewarmed_connections", prewarmed)
+        self.plan["prompts_prebuilt"] = self._prebuild_prompts()
         self.watch.start()
         from calculet_load.resources import ResourceSampler
 
@@ -284,30 +627,73 @@ class Soak:
             gevent.spawn(self._client_loop),
             gevent.spawn(self._health_loop),
         ]
-        self.t_end = time.monotonic() + duration_real
+        if "planned_end_wall_ns" not in self.state:
+            now = time.time_ns()
+            self.state["planned_start_wall_ns"] = now
+            self.state["planned_end_wall_ns"] = now + int(duration_real * 1e9)
+            self.plan["planned_end"] = _iso(self.state["planned_end_wall_ns"])
+        self.state["status"] = "running"
+        self._save_state()
+        # the stage's clock is the wall clock: a resumed attempt runs to the planned end
+        now_wall, now_mono = time.time_ns(), time.monotonic()
+        remaining = (int(self.state["planned_end_wall_ns"]) - now_wall) / 1e9
+        self.t_start = now_mono - (now_wall - int(self.state["planned_start_wall_ns"])) / 1e9
+        self.t_end = now_mono + max(0.0, remaining)
+        if self.terminating is not None:
+            self.t_end = now_mono
+        if remaining <= 0:
+            self.notes.append(f"{self.worker}: resumed after the planned end: no load left")
         t0 = time.monotonic()
         try:
             jobs = [gevent.spawn(self._load)]
             if st.bursts is not None:
                 jobs.append(gevent.spawn(self._bursts))
+            self._stoppable = jobs[1:]
             gevent.joinall(jobs)
             for g in jobs:
                 if g.exception is not None:
                     raise g.exception
         finally:
-            elapsed = time.monotonic() - t0
+            self.attempt["loaded_real_s"] = round(time.monotonic() - t0, 3)
             gevent.killall(background)
             self.watch.stop()
             sampler.stop()
             self._collect_traces(final=True)
             self._client_sample()
+        if self.terminating is not None:
+            return self._stop()
+        self.state["status"] = "judging"
+        self.attempt["load_ended_wall_ns"] = time.time_ns()
+        self._save_state()
         golden_after = self._golden("after") if self.golden else None
         self.sink.flush()
-        self._write_index()
+        self.attempt["status"] = "finished"
+        self.attempt["ended_wall_ns"] = time.time_ns()
+        self._write_index("complete")
         self.plan["ended_wall_ns"] = time.time_ns()
-        self.plan["elapsed_real_s"] = round(elapsed, 3)
+        self.plan["elapsed_real_s"] = round(
+            (self.plan["ended_wall_ns"] - self.plan["started_wall_ns"]) / 1e9, 3
+        )
         (self.run_dir / "plan.json").write_text(json.dumps(self.plan, indent=1, default=str))
-        return self._judge(golden_before, golden_after, sampler.samples)
+        code = self._judge(self.state.get("golden_before"), golden_after)
+        self.state["status"] = "done"
+        self._save_state()
+        self._event("end", code=code)
+        return code
+
+    def _stop(self) -> int:
+        """After SIGTERM/SIGINT: every record and sample on disk, a resumable state."""
+        assert self.terminating is not None
+        name = signal.Signals(self.terminating).name
+        self.sink.flush()
+        self.attempt.update(status="terminated", signal=name, ended_wall_ns=time.time_ns())
+        assert self.state is not None
+        self.state["status"] = "interrupted" if "planned_end_wall_ns" in self.state else "starting"
+        self._write_index("interrupted")
+        self._save_state()
+        self._event("interrupted", signal=name)
+        self.say(f"soak: stopped by {name}; continue with --resume {self.run_dir}")
+        return 128 + self.terminating
 
     def _every(self, target_s: float) -> float:
         """A sampling period in real seconds: scaled, but at least MIN_SAMPLE_S (sampling
@@ -315,19 +701,9 @@ class Soak:
         return max(target_s * self.scale, MIN_SAMPLE_S)
 
     def _count(self, record: Any, out: Any) -> None:
+        """Records sent by this process (client samples carry the count: what a killed
+        process had sent, against what reached its Parquet parts)."""
         self.counts["sent"] += 1
-        if out.error_class is None:
-            self.counts["ok"] += 1
-        elif out.error_class == "dropped":
-            self.counts["dropped"] += 1
-        else:
-            self.counts["errors"] += 1
-            key = f"{out.http_status}:{out.error_code}"
-            self.errors_by[key] = self.errors_by.get(key, 0) + 1
-        ns = out.client_ns
-        end = ns.response_end or ns.last_token or ns.first_event
-        if ns.request_start is not None and end is not None:
-            self.longest_s = max(self.longest_s, (end - ns.request_start) / 1e9)
 
     # ------------------------------------------------------------------ load
     def _prompt(self, tokens: int, sample: int) -> Prompt:
@@ -347,10 +723,29 @@ class Soak:
             **kw,
         )
 
+    def _prebuild_prompts(self) -> int:
+        """Build (tokenize) every prompt the load and the bursts will use before the load
+        starts: built on first use, each would hold its arrival back by a tokenizer round
+        trip (a send lag of 100+ ms in the first seconds of every attempt)."""
+        ld, b = self.stage.load, self.stage.bursts
+        mixes = [self.mix or single(ld.prompt_tokens, ld.max_tokens, stream=ld.stream)]
+        if b is not None:
+            mixes.append(single(b.prompt_tokens, b.max_tokens))
+        for mix in mixes:
+            for entry in mix.entries:
+                for sample in range(entry.samples):
+                    self._prompt(entry.prompt_tokens, sample)
+        return len(self.prompts)
+
+    def _seed(self) -> int:
+        """The arrival seed of this attempt (a resumed attempt draws new arrivals)."""
+        assert self.state is not None
+        return int(self.opts["seed"]) + 1_000_003 * (len(self.state["attempts"]) - 1)
+
     def _load(self) -> None:
         ld = self.stage.load
         mix = self.mix or single(ld.prompt_tokens, ld.max_tokens, stream=ld.stream)
-        chooser = mix.chooser(self.args.seed)
+        chooser = mix.chooser(self._seed())
         if ld.kind == "closed":
             counter = itertools.count()
 
@@ -361,11 +756,12 @@ class Soak:
                     )
                     self.session.send(spec)
 
-            gevent.joinall([gevent.spawn(user) for _ in range(ld.concurrency)])
+            users = [self.senders.spawn(user) for _ in range(ld.concurrency)]
+            gevent.joinall(users)
             return
         rate = self.rate_target * ld.rate_fraction / self.scale
         clock = RateClock(rate, 1)
-        sched = Schedule(ld.arrival, self.args.seed, clock)
+        sched = Schedule(ld.arrival, self._seed(), clock)
         pool = gevent.pool.Pool(ld.max_in_flight)
         origin = time.monotonic_ns() + 200_000_000
         while True:
@@ -386,40 +782,49 @@ class Soak:
                 gevent.sleep(remaining - TIMER_SLACK_S)
             while time.monotonic_ns() < due:
                 gevent.sleep(0)
+            if due / 1e9 >= self.t_end:  # stopped (SIGTERM) while waiting
+                break
             if pool.full():
                 self.session.record_dropped(spec, f"in-flight cap {ld.max_in_flight} full")
             else:
-                pool.spawn(self.session.send, spec)
+                self.senders.add(pool.spawn(self.session.send, spec))
         self._drain(pool)
 
     def _drain(self, pool: gevent.pool.Pool) -> None:
         """Wait for the requests in flight; what is still running after the hang limit
-        is cut and counted as a hang."""
+        is cut and counted as a hang (after SIGTERM: cut, not a hang)."""
         limit = self.stage.pass_.max_request_s * self.scale + 5.0
         pool.join(timeout=limit)
         left = len(pool)
+        if left and self.terminating is None:
+            self.notes.append(
+                f"{self.worker}: {left} request(s) still in flight {limit:.1f} s after the end"
+            )
+            self.plan["hung_at_end"] = int(self.plan.get("hung_at_end", 0)) + left
         if left:
-            self.notes.append(f"{left} request(s) still in flight {limit:.1f} s after the end")
-            self.plan["hung_at_end"] = left
             pool.kill(block=True, timeout=10)
 
     def _bursts(self) -> None:
+        """Bursts on the stage's grid (every `every_s` from the planned start), so that a
+        resumed attempt keeps the grid and burst ids never repeat."""
         b = self.stage.bursts
         assert b is not None
-        chooser = single(b.prompt_tokens, b.max_tokens).chooser(self.args.seed + 1)
+        chooser = single(b.prompt_tokens, b.max_tokens).chooser(self._seed() + 1)
         every = b.every_s * self.scale
-        n = 0
-        while time.monotonic() + every < self.t_end:
-            gevent.sleep(every)
+        k = int(max(0.0, time.monotonic() - self.t_start) // every) + 1
+        while self.t_start + k * every < self.t_end:
+            gevent.sleep(max(0.0, self.t_start + k * every - time.monotonic()))
+            if self.terminating is not None:
+                return
             specs = [
-                self._spec(n * b.size + i, chooser, arrival="burst",
-                           burst_id=f"{self.manifest.run_id}.burst.{n:05d}",
+                self._spec(k * b.size + i, chooser, arrival="burst",
+                           burst_id=f"{self.manifest.run_id}.burst.{k:05d}",
                            concurrency=b.size, intended_start_ns=time.monotonic_ns())
                 for i in range(b.size)
             ]  # fmt: skip
-            jobs = [gevent.spawn(self.session.send, s) for s in specs]
-            n += 1
-            self.plan["bursts_sent"] = n
+            jobs = [self.senders.spawn(self.session.send, s) for s in specs]
+            self.plan["bursts_sent"] = int(self.plan.get("bursts_sent", 0)) + 1
+            k += 1
             gevent.joinall(jobs, timeout=self.stage.pass_.max_request_s * self.scale + 5)
 
     # ------------------------------------------------------------------ sampling
@@ -435,7 +840,7 @@ class Soak:
         out = self.run_dir / "server"
         out.mkdir(parents=True, exist_ok=True)
         self.plan["trace_collections"] = self.plan.get("trace_collections", 0) + 1
-        for kind in ("server_events", "steps", "device"):
+        for kind in TRACE_KINDS:
             try:
                 data = self.api.trace_bytes(kind)
             except OSError as exc:
@@ -461,6 +866,7 @@ class Soak:
             {
                 "wall_ns": time.time_ns(),
                 "mono_ns": time.monotonic_ns(),
+                "worker": self.worker,
                 "rss_bytes": mem.rss,
                 "in_flight": self.session.in_flight,
                 "sent": self.counts["sent"],
@@ -476,9 +882,7 @@ class Soak:
                 status, body = self.api.health()
             except OSError as exc:
                 status, body = None, str(exc)
-            rows.write({"wall_ns": wall, "status": status, "body": body})
-            if status != 200:
-                self.health_failures.append({"wall_ns": wall, "status": status, "body": body})
+            rows.write({"wall_ns": wall, "worker": self.worker, "status": status, "body": body})
             gevent.sleep(every)
 
     def _golden(self, when: str) -> dict[str, Any]:
@@ -498,114 +902,308 @@ class Soak:
         )
         return {"cases": len(self.golden.cases), "failures": failures}
 
-    def _write_index(self) -> None:
-        from calculet_load.clock import clock_provenance
-
+    def _write_index(self, status: str) -> None:
+        """`client/index.json`: every attempt is a worker. A killed one's part open at the
+        kill is lost (`open_part_lost`); the gap is in soak.json."""
+        assert self.state is not None
         client = self.run_dir / "client"
-        parts = sorted(p.name for p in (client / "w00").glob("part-*.parquet"))
+        workers = []
+        keys = ("ntp_offset_ns", "ntp_source", "ntp_synchronized", "ntp_detail", "clock_anchor")
+        for a in self.state["attempts"]:
+            w = a["worker"]
+            entry = {
+                "worker": w,
+                "host": a.get("host"),
+                "pid": a.get("pid"),
+                "status": "reported" if a.get("status") == "finished" else "interrupted",
+                "attempt_status": a.get("status"),
+                "parts": sorted(p.name for p in (client / w).glob("part-*.parquet")),
+                **{k: a[k] for k in keys if k in a},
+            }
+            if a.get("status") == "killed":
+                entry["open_part_lost"] = True
+            workers.append(entry)
         index = {
             "schema": "calculet-client-index/v1",
             "run_id": self.manifest.run_id,
-            "status": "complete",
+            "status": status,
             "source": f"calculet-load soak --stage {self.stage.name}",
             "target": self.url,
-            "workers": [{"worker": "w00", "host": socket.gethostname(), "pid": os.getpid(),
-                         "status": "reported", "parts": parts, **clock_provenance()}],
-        }  # fmt: skip
+            "workers": workers,
+            "gaps": self.state["gaps"],
+        }
         (client / "index.json").write_text(json.dumps(index, indent=1, default=str))
+
+    def _disk_counts(self, workers: set[str] | None = None) -> dict[str, Any]:
+        """Counts of the records on disk (every attempt's closed parts)."""
+        import numpy as np
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        cols = ["ext.worker", "ext.dropped", "ext.error_class", "result.http_status",
+                "result.error_code", "client_ns.request_start", "client_ns.response_end",
+                "client_ns.last_token", "client_ns.first_event"]  # fmt: skip
+        out: dict[str, Any] = {"records": 0, "sent": 0, "ok": 0, "errors": 0, "dropped": 0,
+                               "cut_at_stop": 0, "errors_by": {}, "longest_real_s": 0.0,
+                               "by_worker": {}}  # fmt: skip
+        for part in sorted((self.run_dir / "client").glob("*/part-*.requests.parquet")):
+            if workers is not None and part.parent.name not in workers:
+                continue
+            t = pq.read_table(part, columns=cols)
+            n = t.num_rows
+            dropped = np.asarray(pc.fill_null(t.column("ext.dropped"), False), dtype=bool)
+            cls = t.column("ext.error_class").to_pylist()
+            ok = np.array([c is None for c in cls], dtype=bool)
+            cut = np.array([c == "cancelled" for c in cls], dtype=bool)
+            err = ~ok & ~dropped & ~cut
+            out["records"] += n
+            out["dropped"] += int(dropped.sum())
+            out["sent"] += int((~dropped).sum())
+            out["ok"] += int(ok.sum())
+            out["cut_at_stop"] += int(cut.sum())
+            out["errors"] += int(err.sum())
+            if err.any():
+                st_, code = (
+                    t.column("result.http_status").to_pylist(),
+                    t.column("result.error_code").to_pylist(),
+                )
+                for i in np.flatnonzero(err):
+                    key = f"{st_[i]}:{code[i]}"
+                    out["errors_by"][key] = out["errors_by"].get(key, 0) + 1
+            start = t.column("client_ns.request_start").to_numpy(zero_copy_only=False)
+            end = None
+            for name in ("client_ns.response_end", "client_ns.last_token",
+                         "client_ns.first_event"):  # fmt: skip
+                col = t.column(name).to_numpy(zero_copy_only=False)
+                end = col if end is None else np.where(np.isnan(end.astype(float)), col, end)
+            if end is not None and n:
+                d = (end.astype(float) - start.astype(float)) / 1e9
+                d = d[~np.isnan(d)]
+                if d.size:
+                    out["longest_real_s"] = max(out["longest_real_s"], float(d.max()))
+            w = part.parent.name
+            out["by_worker"][w] = out["by_worker"].get(w, 0) + n
+        out["longest_real_s"] = round(out["longest_real_s"], 3)
+        return out
 
     # ------------------------------------------------------------------ verdict
     def _judge(
-        self,
-        golden_before: dict[str, Any] | None,
-        golden_after: dict[str, Any] | None,
-        resource_samples: int,
+        self, golden_before: dict[str, Any] | None, golden_after: dict[str, Any] | None
     ) -> int:
+        """The stage's conditions. Each has a class: `target` (the service under test,
+        exit 1), `client` (this load generator's own flatness, exit 1, as the stage asks
+        for it) or `infrastructure` (the measurement itself: exit 3 when nothing else
+        failed)."""
+        assert self.state is not None
         st = self.stage
         p = st.pass_
+        gaps: list[dict[str, Any]] = self.state["gaps"]
+        attempts: list[dict[str, Any]] = self.state["attempts"]
         conditions: list[dict[str, Any]] = []
 
-        def cond(name: str, ok: bool | None, expected: Any, observed: Any) -> None:
-            conditions.append(
-                {"condition": name, "ok": ok, "expected": expected, "observed": observed}
-            )
+        def cond(name: str, cls: str, ok: bool | None, expected: Any, observed: Any) -> None:
+            conditions.append({"condition": name, "class": cls, "ok": ok,
+                               "expected": expected, "observed": observed})  # fmt: skip
 
-        sent = self.counts["sent"] - self.counts["dropped"]
-        rate = self.counts["errors"] / sent if sent else 0.0
-        cond(
-            "error rate",
-            rate <= p.max_error_rate,
-            f"<= {p.max_error_rate:g}",
-            {"rate": round(rate, 6), "errors": self.errors_by, **self.counts},
-        )
+        counts = self._disk_counts()
+        unknown = [
+            {"worker": g["before_worker"], "lost_requests_at_least": g["lost_requests_at_least"],
+             "in_flight_at_last_sample": g["in_flight_at_last_sample"]}
+            for g in gaps if g.get("open_part_lost")
+        ]  # fmt: skip
+        sent = counts["sent"]
+        rate = counts["errors"] / sent if sent else 0.0
+        observed: dict[str, Any] = {"rate": round(rate, 6), "errors": counts["errors_by"],
+                                    **{k: counts[k] for k in ("sent", "ok", "errors", "dropped",
+                                                              "cut_at_stop")}}  # fmt: skip
+        if unknown:
+            observed["not_on_disk"] = unknown  # lost with a killed attempt's open part
+        cond("error rate", "target", rate <= p.max_error_rate, f"<= {p.max_error_rate:g}",
+             observed)  # fmt: skip
         hang_limit = p.max_request_s * self.scale
         hung = int(self.plan.get("hung_at_end", 0))
+        observed = {"longest_real_s": counts["longest_real_s"], "in_flight_at_end": hung}
+        if unknown:
+            observed["outcome_unknown"] = unknown
         cond(
             "no hang",
-            self.longest_s <= hang_limit + 1.0 and hung == 0,
+            "target",
+            counts["longest_real_s"] <= hang_limit + 1.0 and hung == 0,
             f"every request ends within {p.max_request_s:g} target s, none left in flight",
-            {"longest_real_s": round(self.longest_s, 3), "in_flight_at_end": hung},
+            observed,
         )
         if p.no_abort:
-            cond(
-                "no abort",
-                not self.health_failures,
-                "/health 200 at every sample",
-                {"failures": len(self.health_failures), "first": self.health_failures[:3]},
-            )
+            health = _jsonl(self.run_dir / "soak" / "health.jsonl")
+            failures = [r for r in health if r.get("status") != 200]
+            observed = {"samples": len(health), "failures": len(failures), "first": failures[:3]}
+            if gaps:
+                observed["unsampled"] = [
+                    {"from": g["start"], "to": g["end"], "duration_s": g["duration_s"]}
+                    for g in gaps
+                ]
+            cond("no abort", "target", not failures,
+                 "/health 200 at every sample (the target's own samples; none in a gap)",
+                 observed)  # fmt: skip
         if p.golden:
             fails = (golden_before or {}).get("failures", []) + (golden_after or {}).get(
                 "failures", []
             )
-            cond("golden before and after", not fails, "every case matches", fails or "all match")
-        client = _client_slope(self.run_dir / "client" / "resources.jsonl")
+            cond("golden before and after", "target", not fails, "every case matches",
+                 fails or "all match")  # fmt: skip
         if p.client_rss_max_slope_mib_per_h is not None:
-            slope = client.get("slope_mib_per_h")
-            ok = slope is None or slope <= p.client_rss_max_slope_mib_per_h
-            cond(
-                "client memory flat",
-                ok if slope is not None else None,
-                f"RSS slope <= {p.client_rss_max_slope_mib_per_h:g} MiB/h",
-                client,
-            )
+            gate = p.client_rss_max_slope_mib_per_h
+            client = _client_slopes(self.run_dir / "client" / "resources.jsonl")
+            slopes = [s["slope_mib_per_h"] for s in client["segments"]
+                      if s.get("slope_mib_per_h") is not None]  # fmt: skip
+            observed = client["segments"][0] if len(client["segments"]) == 1 else client
+            cond("client memory flat", "client", all(s <= gate for s in slopes) if slopes else None,
+                 f"RSS slope <= {gate:g} MiB/h"
+                 + (" in each client process (not joined across a restart)" if gaps else ""),
+                 observed)  # fmt: skip
         analysis_code, leaks = self._analysis()
         if p.no_leak:
-            leak_rows = [
-                {"series": k, "status": v.get("status"), "slope_per_h": v.get("slope_per_h"),
-                 "reason": v.get("reason")}
-                for k, v in (leaks or {}).get("series", {}).items()
-                if v.get("status") not in (None, "not_configured", "no_data")
-            ]  # fmt: skip
-            leaking = [r for r in leak_rows if r["status"] == "leak"]
-            ok_leak: bool | None = not leaking if leak_rows else None
-            cond(
-                "no leak",
-                ok_leak,
-                "no resource series with a significant growth above its gate",
-                {"resource_samples": resource_samples, "leaking": leaking, "series": leak_rows},
-            )
+            cond("no leak", "target", *self._leak_condition(leaks, attempts, gaps))
         if p.analysis:
-            cond(
-                "analysis",
-                analysis_code == 0,
-                "calculet-load analyze exits 0",
-                {"exit_code": analysis_code},
-            )
-        code = EXIT_OK
-        if any(c["ok"] is False for c in conditions):
-            code = EXIT_FAIL
-        if analysis_code == EXIT_INFRA and code == EXIT_OK:
-            code = EXIT_INFRA
+            cls = "infrastructure" if analysis_code in (EXIT_INVALID, EXIT_INFRA) else "target"
+            cond("analysis", cls, analysis_code == 0 if analysis_code is not None else None,
+                 "calculet-load analyze exits 0", {"exit_code": analysis_code})  # fmt: skip
+        planned = float(self.plan["run_duration_real_s"])
+        gap_s = sum(g["duration_s"] for g in gaps)
+        cond(
+            "client continuity",
+            "infrastructure",
+            not gaps,
+            "one client process ran the whole stage (no restart, no gap)",
+            {"attempts": [a["worker"] for a in attempts], "gaps": len(gaps),
+             "gap_real_s": round(gap_s, 3), "coverage": round(max(0.0, 1 - gap_s / planned), 4),
+             "detail": [{k: g[k] for k in ("start", "end", "duration_s", "reason")}
+                        for g in gaps]},
+        )  # fmt: skip
+        failed = {c["class"] for c in conditions if c["ok"] is False}
+        if failed & {"target", "client"}:
+            code, verdict = EXIT_FAIL, "FAIL"
+        elif "infrastructure" in failed:
+            code, verdict = EXIT_INFRA, "INCOMPLETE" if gaps else "INVALID"
+        else:
+            code, verdict = EXIT_OK, "PASS"
         if any(c["ok"] is None for c in conditions) and code == EXIT_OK:
             self.notes.append("some conditions could not be evaluated (see soak.json)")
-        doc = {**self.plan, "conditions": conditions, "notes": self.notes,
-               "verdict": "PASS" if code == EXIT_OK else "FAIL", "exit_code": code}  # fmt: skip
+        if gaps:
+            self.notes.append(
+                f"{len(gaps)} gap(s) in the stage ({gap_s:.1f} s real, "
+                f"{gap_s / planned:.1%} of it): the client restarted; the target's conditions "
+                "are judged from its own samples, the run is not a clean pass"
+            )
+        doc = {**self.plan, "verdict": verdict, "exit_code": code, "conditions": conditions,
+               "gaps": gaps, "attempts": [{k: a.get(k) for k in (
+                   "worker", "pid", "host", "status", "started_wall_ns", "ended_wall_ns",
+                   "load_ended_wall_ns", "loaded_real_s", "signal")} for a in attempts],
+               "planned_start_wall_ns": self.state.get("planned_start_wall_ns"),
+               "planned_end_wall_ns": self.state.get("planned_end_wall_ns"),
+               "notes": self.notes}  # fmt: skip
         (self.run_dir / "soak.json").write_text(json.dumps(doc, indent=1, default=str))
-        self.say(f"soak {st.name}: {doc['verdict']} (exit {code})")
+        self.say(f"soak {st.name}: {verdict} (exit {code})")
+        for g in gaps:
+            self.say(
+                f"  GAP  {g['index']}: {g['start']} .. {g['end']} ({g['duration_s']:.1f} s real, "
+                f"{g['duration_target_s']:.0f} target s): {g['reason']}"
+            )
         for c in conditions:
             mark = {True: "ok  ", False: "FAIL", None: "n/a "}[c["ok"]]
             self.say(f"  {mark} {c['condition']}: {json.dumps(c['observed'], default=str)[:240]}")
         return code
+
+    def _leak_condition(
+        self,
+        leaks: dict[str, Any] | None,
+        attempts: list[dict[str, Any]],
+        gaps: list[dict[str, Any]],
+    ) -> tuple[bool | None, str, dict[str, Any]]:
+        """No leak: the analysis' leak section over the whole series; with gaps, also per
+        segment (each client process' stretch of samples), and the whole series only
+        where the samples' monotonic clocks are comparable (one boot of the host)."""
+        rows = [
+            {"series": k, "status": v.get("status"), "slope_per_h": v.get("slope_per_h"),
+             "reason": v.get("reason")}
+            for k, v in (leaks or {}).get("series", {}).items()
+            if v.get("status") not in (None, "not_configured", "no_data")
+        ]  # fmt: skip
+        expected = "no resource series with a significant growth above its gate"
+        observed: dict[str, Any] = {"resource_samples": (leaks or {}).get("samples", 0)}
+        if not gaps:
+            leaking = [r for r in rows if r["status"] == "leak"]
+            observed.update(leaking=leaking, series=rows)
+            return (not leaking if rows else None), expected, observed
+        boots = {a.get("boot_id") for a in attempts}
+        comparable = len(boots) == 1 and None not in boots
+        joined = [r for r in rows if r["status"] == "leak"] if comparable else []
+        segments = self._leak_segments(attempts)
+        seg_leaks = [
+            {"worker": s["worker"], **r} for s in segments for r in s["series"]
+            if r["status"] == "leak"
+        ]  # fmt: skip
+        judged = (comparable and bool(rows)) or any(
+            r["status"] in ("leak", "no_leak") for s in segments for r in s["series"]
+        )
+        observed.update(
+            leaking=joined + seg_leaks,
+            joined={
+                "series": rows if comparable else [],
+                "note": f"joined across {len(gaps)} gap(s): no samples in a gap, and no load"
+                if comparable
+                else "not judged: the host rebooted, the samples' clocks are not comparable",
+            },
+            segments=segments,
+        )
+        expected += " (per segment between gaps, and over the joined series)"
+        ok = not (joined or seg_leaks) if judged else None
+        return ok, expected, observed
+
+    def _leak_segments(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The leak rule on each attempt's stretch of server/resources.jsonl."""
+        try:
+            import numpy as np
+            import pyarrow as pa
+
+            from analysis.leaks import detect_leak
+            from analysis.resources import LEAK_SERIES, resource_series
+            from analysis.rules import load_rules
+        except ImportError:
+            return []
+        rules, _ = load_rules(self.opts["rules"] or self.stage.rules)
+        rule = next((r for r in rules.rules if r.kind == "leaks" and r.enabled), None)
+        if rule is None:
+            return []
+        rows = _jsonl(self.run_dir / "server" / "resources.jsonl")
+        starts = [int(a["started_wall_ns"]) for a in attempts] + [2**63]
+        out = []
+        for i, a in enumerate(attempts):
+            seg = [r for r in rows if starts[i] <= int(r.get("wall_ns", 0)) < starts[i + 1]]
+            if not seg:
+                continue
+            t_s, series, _ = resource_series(pa.Table.from_pylist(seg))
+            entry: dict[str, Any] = {
+                "worker": a["worker"],
+                "from": _iso(int(seg[0]["wall_ns"])),
+                "to": _iso(int(seg[-1]["wall_ns"])),
+                "samples": len(seg),
+                "span_server_s": round(float(t_s[-1]), 1) if len(t_s) else 0.0,
+                "series": [],
+            }
+            for name, gate in rule.min_slope_per_h.items():
+                y = series.get(name)
+                if y is None or not (~np.isnan(y)).any():
+                    continue
+                ok = ~np.isnan(y)
+                res = detect_leak(t_s[ok], y[ok], min_slope_per_h=gate, warmup_s=rule.warmup_s,
+                                  bin_s=rule.bin_s, alpha=rule.alpha, unit=LEAK_SERIES[name],
+                                  resource=name)  # fmt: skip
+                entry["series"].append(
+                    {"series": name, "status": str(res.status),
+                     "slope_per_h": res.slope_per_h, "reason": res.reason}
+                )  # fmt: skip
+            out.append(entry)
+        return out
 
     def _analysis(self) -> tuple[int | None, dict[str, Any] | None]:
         try:
@@ -613,7 +1211,7 @@ class Soak:
         except ImportError:
             self.notes.append("analysis: not available in this build")
             return None, None
-        rules = self.args.rules or self.stage.rules
+        rules = self.opts["rules"] or self.stage.rules
         run = functools.partial(analyze_run, str(self.run_dir), rules=rules, quiet=True)
         code = int(off_loop(run))
         verdict = self.run_dir / "verdict.json"
@@ -624,12 +1222,25 @@ class Soak:
         return code, leaks
 
 
-def _client_slope(path: Path) -> dict[str, Any]:
-    """Theil–Sen slope of this client's RSS (MiB per real hour), after a 10% warmup."""
+def _jsonl(path: Path) -> list[dict[str, Any]]:
     try:
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        lines = path.read_text().splitlines()
     except OSError:
-        return {"samples": 0}
+        return []
+    out = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def _client_slope(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Theil–Sen slope of one client process' RSS (MiB per real hour), after a 10%
+    warmup."""
     if len(rows) < MIN_CLIENT_SAMPLES:
         return {"samples": len(rows), "slope_mib_per_h": None,
                 "reason": f"fewer than {MIN_CLIENT_SAMPLES} samples: not judged"}  # fmt: skip
@@ -638,14 +1249,36 @@ def _client_slope(path: Path) -> dict[str, Any]:
     t = [(r["mono_ns"] - rows[0]["mono_ns"]) / 1e9 for r in rows]
     y = [r["rss_bytes"] / 2**20 for r in rows]
     keep = [i for i, ti in enumerate(t) if ti >= 0.1 * t[-1]]
-    fit = stats.theilslopes([y[i] for i in keep], [t[i] for i in keep])
-    return {
+    out: dict[str, Any] = {
         "samples": len(rows),
+        "span_real_s": round(t[-1], 1),
         "first_mib": round(y[0], 1),
         "last_mib": round(y[-1], 1),
         "max_mib": round(max(y), 1),
-        "slope_mib_per_h": round(float(fit.slope) * 3600.0, 3),
     }
+    if t[-1] - t[keep[0]] < MIN_CLIENT_SPAN_S:
+        out["slope_mib_per_h"] = None
+        out["reason"] = (
+            f"{t[-1] - t[keep[0]]:.1f} s after the warmup, under {MIN_CLIENT_SPAN_S:g} s of "
+            "real time: not judged (the process' own warmup would be taken for a trend)"
+        )
+        return out
+    fit = stats.theilslopes([y[i] for i in keep], [t[i] for i in keep])
+    out["slope_mib_per_h"] = round(float(fit.slope) * 3600.0, 3)
+    return out
+
+
+def _client_slopes(path: Path) -> dict[str, Any]:
+    """The RSS slope of each client process (attempt) separately: a restarted process
+    starts small, and joining it to the killed one would fake a drop or a rise."""
+    rows = _jsonl(path)
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(str(r.get("worker", "w00")), []).append(r)
+    segments = [{"worker": w, **_client_slope(rs)} for w, rs in by.items()]
+    if not segments:
+        segments = [{"worker": None, **_client_slope([])}]
+    return {"samples": len(rows), "segments": segments}
 
 
 # ---------------------------------------------------------------------- CLI
@@ -673,18 +1306,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--duration-scale",
         type=float,
-        default=1.0,
-        help="shorten (< 1) the stage for a rehearsal; recorded in soak.json",
+        help="shorten (< 1) the stage for a rehearsal; recorded in soak.json (default 1)",
     )
     p.add_argument(
         "--rules", help="acceptance rules for the analysis (default: the stage's, else the default)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival schedule")
+    p.add_argument("--seed", type=int, help="seed of the arrival schedule (default 0)")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the unfinished soak of RUN_DIR (soak/state.json) to its planned end, "
+        "under a new worker name; the gap is recorded",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 < args.duration_scale <= 1:
+    if args.duration_scale is not None and not 0 < args.duration_scale <= 1:
         print("soak: --duration-scale must be within (0, 1]", file=sys.stderr)
         return EXIT_INVALID
     try:

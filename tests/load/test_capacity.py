@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from calculet_load.capacity import SLA, _p99, load_sla
+from calculet_load.targetapi import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO
 from tests.simproc import ADMIN_TOKEN, SimProcess
@@ -73,6 +74,22 @@ def test_sla_file_and_options(tmp_path: Path) -> None:
         load_sla(str(path), {})
     assert _p99([float(x) for x in range(1, 101)]) == 100.0
     assert _p99([3.0]) == 3.0 and _p99([]) is None
+
+
+def test_time_scale_of_the_target(start_sim: StartSim) -> None:
+    """One function for the soak and the capacity search: the hint wins, else the
+    target's /admin/state (needs the token), else 1."""
+    import gevent
+
+    sim = start_sim("--time-scale", "0.05", faults=True)
+    with_token = TargetAPI(sim.url, ADMIN_TOKEN)
+    without = TargetAPI(sim.url)
+    unreachable = TargetAPI("http://127.0.0.1:9", ADMIN_TOKEN, timeout_s=2)
+    got = gevent.spawn(
+        lambda: [time_scale(with_token, None), time_scale(with_token, 0.5),
+                 time_scale(without, None), time_scale(unreachable, None)]
+    ).get(timeout=30)  # fmt: skip
+    assert got == [0.05, 0.5, 1.0, 1.0]
 
 
 pytestmark = pytest.mark.timeout(500)
