@@ -1,4 +1,5 @@
-"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine (the `accept`
+profile here too; `metrics` in tests/test_compose_metrics.py).
 
 The file is read as data and held to what the containers need (one image, the shared
 `runs` volume, service names used as host names, published ports). Every option its
@@ -37,7 +38,7 @@ SERVICES: dict[str, dict[str, Any]] = {
 }
 APP = "/app"  # the image's WORKDIR: compose paths under it are repo paths
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _dockerfile() -> list[tuple[str, list[str]]]:
@@ -291,3 +292,74 @@ def test_the_compose_commands_run_a_distributed_run(tmp_path: Path, procs: Procs
     trace_dir = Path(_value(sim_cmd, "--trace-dir"))
     assert trace_dir.is_relative_to(app / "runs")
     assert any(p.stat().st_size > 0 for p in trace_dir.glob("*.jsonl")), list(trace_dir.iterdir())
+
+
+# ------------------------------------------------------------------ profile `accept`
+ACCEPT = {n: s for n, s in COMPOSE["services"].items() if s.get("profiles") == ["accept"]}
+
+
+def test_the_accept_profile_is_the_pipeline_as_master_of_worker_containers() -> None:
+    assert set(ACCEPT) == {"accept", "accept-worker"}
+    accept, worker = ACCEPT["accept"]["command"], ACCEPT["accept-worker"]["command"]
+    assert {s["image"] for s in ACCEPT.values()} == {SERVICES["sim"]["image"]}
+    assert accept[:2] == ["calculet-load", "accept"] and "--master" in accept
+    assert _value(accept, "--url") == f"http://sim:{_value(SERVICES['sim']['command'], '--port')}"
+    assert _value(accept, "--master-bind-host") == "0.0.0.0"
+    # the worker is Locust's own worker command, pointed at the pipeline's port
+    assert worker[:4] == ["locust", "-f", "locustfiles/calculet.py", "--worker"]
+    assert _value(worker, "--master-host") == "accept"
+    assert _value(worker, "--master-port") == _value(accept, "--master-bind-port")
+    for flag in ("--manifest", "--matrix", "--golden"):
+        assert (REPO / _value(accept, flag)).is_file(), flag
+    assert _value(accept, "--run-dir").startswith("runs/")  # on the volume
+    assert "ports" not in ACCEPT["accept-worker"], "a published port would stop --scale"
+    for name, s in ACCEPT.items():
+        assert f"runs:{APP}/runs" in s["volumes"], name
+    out = subprocess.run(
+        [str(BIN / "calculet-load"), "accept", "--help"], capture_output=True, text=True, timeout=60
+    )
+    for flag in _flags(accept[1:]):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), flag
+
+
+def test_the_accept_profile_commands_run_a_distributed_acceptance(
+    tmp_path: Path, procs: Procs
+) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    for name in ("locustfiles", "configs"):
+        (app / name).symlink_to(REPO / name)
+    (app / "runs").mkdir()
+    sim_cmd = _local(SERVICES["sim"]["command"], app, {"--host": "127.0.0.1", "--port": "0"}, [])
+    sim = procs.start("sim", [*sim_cmd, "--time-scale", "0.02"], app, stdout=subprocess.PIPE)
+    assert sim.stdout is not None
+    ready, _, _ = select.select([sim.stdout], [], [], 30)
+    line = sim.stdout.readline().decode() if ready else ""
+    assert "listening on http://" in line, f"{line!r}\n{procs.logs()}"
+
+    rules = yaml.safe_load((REPO / "configs" / "acceptance" / "default.yaml").read_text())
+    rules["infrastructure"]["max_saturated_fraction"] = None  # this shared machine's load
+    rules["infrastructure"]["max_send_lag_p99_ms"] = None
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    port = str(_free_port())
+    accept_cmd = _local(
+        ACCEPT["accept"]["command"],
+        app,
+        {"--url": line.split()[-1], "--master-bind-host": "127.0.0.1", "--master-bind-port": port,
+         "--idle-window-s": "1"},
+        ["--min-repetitions", "3", "--rules", str(tmp_path / "rules.yaml"), "--skip-report"],
+    )  # fmt: skip
+    accept = procs.start("accept", accept_cmd, app)
+    at_pipeline = {"--master-host": "127.0.0.1", "--master-port": port}
+    worker_cmd = _local(ACCEPT["accept-worker"]["command"], app, at_pipeline, [])
+    workers = [procs.start(f"worker{i}", worker_cmd, app) for i in (1, 2)]
+    try:
+        assert accept.wait(240) == 0, procs.logs()
+        for w in workers:
+            assert w.wait(30) == 0, procs.logs()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the run did not end in time\n{procs.logs()}")
+    run_dir = app / _value(ACCEPT["accept"]["command"], "--run-dir")
+    index = json.loads((run_dir / "client" / "index.json").read_text())
+    assert {w["worker"] for w in index["workers"]} == {"w00", "w01", "w02"}
+    assert (run_dir / "verdict.json").exists() and (run_dir / "bundle.intoto.json").exists()
