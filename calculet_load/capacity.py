@@ -44,7 +44,7 @@ from calculet_load.arrivals import RateClock, Schedule
 from calculet_load.client import Timeouts, run_in_greenlet
 from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, load_manifest
-from calculet_load.selfwatch import TIMER_SLACK_S
+from calculet_load.selfwatch import sleep_until
 from calculet_load.session import RequestSpec, RunContext, Session
 from calculet_load.sink import PartSink
 from calculet_load.targetapi import TargetAPI, off_loop, time_scale
@@ -275,11 +275,7 @@ class Capacity:
                 intended_start_ns=due,
                 late_after_ms=5.0,
             )
-            wait = (due - time.monotonic_ns()) / 1e9
-            if wait > TIMER_SLACK_S:
-                gevent.sleep(wait - TIMER_SLACK_S)
-            while time.monotonic_ns() < due:
-                gevent.sleep(0)
+            sleep_until(due)
             if pool.full():
                 self.session.record_dropped(spec, f"in-flight cap {a.max_in_flight} full")
                 if time.monotonic() >= measure_from:

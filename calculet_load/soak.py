@@ -1,12 +1,12 @@
 """`calculet-load soak --stage NAME`: the stability stages of spec §13 as data.
 
-A stage (`configs/soak/<name>.yaml`, schema below) says how long it runs, what load
-(open loop at a fraction of the target rate, or closed loop; a mix or one shape), the
-periodic bursts, how often the server is sampled, and its pass conditions. Durations and
-rates are the *target's* seconds: against a simulator started with `--time-scale F` the
-stage runs F times as long in real time at 1/F times the rate (`--time-scale-hint`, or
-the `time_scale` of `/admin/state`). `--duration-scale D` shortens a stage for a
-rehearsal (D < 1); it is recorded in `soak.json` and flagged.
+A stage (`configs/soak/<name>.yaml`, schema in calculet_load/soakstage.py) says how long
+it runs, what load (open loop at a fraction of the target rate, or closed loop; a mix or
+one shape), the periodic bursts, how often the server is sampled, and its pass
+conditions. Durations and rates are the *target's* seconds: against a simulator started
+with `--time-scale F` the stage runs F times as long in real time at 1/F times the rate
+(`--time-scale-hint`, or the `time_scale` of `/admin/state`). `--duration-scale D`
+shortens a stage for a rehearsal (D < 1); it is recorded in `soak.json` and flagged.
 
 During the run (not only at the end):
   - server resources every `sampling.resources_every_s` into `server/resources.jsonl`
@@ -38,215 +38,70 @@ Exit codes: 0 pass; 1 a condition on the target failed (correctness/reliability)
 invalid stage, manifest or resume; 3 infrastructure (the client saturated or restarted
 mid-stage, the target unreachable at the start); 143/130 stopped by SIGTERM/SIGINT
 (resumable).
+
+This module runs the stage (load, bursts, sampling, golden, signals) and holds the CLI;
+the resumable state and the gaps are calculet_load/soakstate.py, the conditions
+calculet_load/soakjudge.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import gevent
 import gevent.pool
 import psutil
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from calculet_load import soakstate
 from calculet_load.arrivals import RateClock, Schedule
 from calculet_load.client import Timeouts, run_in_greenlet
 from calculet_load.matrix import MatrixError, load_golden
 from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, load_manifest
-from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch
+from calculet_load.selfwatch import SelfWatch, sleep_until
 from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.sink import PartSink
+from calculet_load.soakjudge import (
+    EXIT_INFRA,
+    EXIT_INVALID,
+    EXIT_OK,
+    Judgement,
+    StageResult,
+    disk_counts,
+    judge,
+)
+from calculet_load.soakstage import (
+    SOAK_SCHEMA,
+    STAGE_DIR,
+    Bursts,
+    PassConditions,
+    Sampling,
+    SoakLoad,
+    SoakStage,
+    StageError,
+    load_stage,
+    stage_json_schema,
+)
+from calculet_load.soakstate import STATE_FILE, TRACE_KINDS, JsonLines, iso
 from calculet_load.targetapi import TargetAPI, off_loop, time_scale
 from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
 
-SOAK_SCHEMA = "calculet-soak-stage/v1"
-STAGE_DIR = Path(__file__).resolve().parents[1] / "configs" / "soak"
-EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_INFRA = 0, 1, 2, 3
+# the stage schema lives in calculet_load.soakstage; `calculet_load.soak` names it too
+__all__ = [
+    "SOAK_SCHEMA", "STAGE_DIR", "Bursts", "PassConditions", "Sampling", "Soak", "SoakLoad",
+    "SoakStage", "StageError", "add_arguments", "load_stage", "run", "stage_json_schema",
+]  # fmt: skip
+
 MIN_SAMPLE_S = 0.5  # real seconds between two samples of one kind, at the least
-MIN_CLIENT_SAMPLES = 20  # client RSS samples needed to judge its slope
-# ... and the real seconds they must span after the warmup: a process' own warmup
-# (imports, connection pool, Parquet writer, allocator arenas) takes seconds of real time
-# whatever the stage, and a per-hour slope over less is that warmup, not a trend
-MIN_CLIENT_SPAN_S = 30.0
-STATE_SCHEMA = "calculet-soak-state/v1"
-STATE_FILE = "soak/state.json"
 TERM_DRAIN_S = 15.0  # after SIGTERM: real seconds the requests in flight get to finish
-EXIT_TERM = 128 + signal.SIGTERM
-TRACE_KINDS = ("server_events", "steps", "device")
-
-
-class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SoakLoad(_M):
-    kind: Literal["open", "closed"] = "open"
-    arrival: Literal["poisson", "constant", "gamma"] = "poisson"
-    rate_fraction: float = Field(default=1.0, gt=0)  # of the stage's target rate
-    concurrency: int = Field(default=1, ge=1)  # closed loop
-    mix: str | None = None  # a mix (configs/mixes) instead of one shape
-    prompt_tokens: int = Field(default=128, ge=1, le=40959)
-    max_tokens: int = Field(default=32, ge=1)
-    stream: bool = True
-    max_in_flight: int = Field(default=256, ge=1)
-    # connections opened before the load starts: the server's FD count then measures
-    # the server, not the client's connection pool filling up
-    prewarm_connections: int = Field(default=32, ge=0)
-
-
-class Bursts(_M):
-    every_s: float = Field(gt=0)  # target seconds between bursts
-    size: int = Field(ge=1)
-    prompt_tokens: int = Field(default=128, ge=1, le=40959)
-    max_tokens: int = Field(default=32, ge=1)
-
-
-class Sampling(_M):
-    resources_every_s: float = Field(default=10.0, gt=0)  # target seconds
-    traces_every_s: float = Field(default=60.0, gt=0)
-    client_every_s: float = Field(default=10.0, gt=0)
-
-
-class PassConditions(_M):
-    max_error_rate: float = Field(default=0.0, ge=0, le=1)
-    no_leak: bool = True  # the analysis' leak rule (server/resources.jsonl) passes
-    max_request_s: float = Field(default=900.0, gt=0)  # target seconds: longer is a hang
-    no_abort: bool = True  # /health answers 200 at every sample
-    golden: bool = False  # the golden set before and after (needs --golden)
-    # client RSS growth above this (MiB per hour of real time, Theil–Sen) fails
-    client_rss_max_slope_mib_per_h: float | None = Field(default=256.0, ge=0)
-    analysis: bool = True  # `calculet-load analyze` must exit 0
-
-
-class SoakStage(_M):
-    schema_: Literal["calculet-soak-stage/v1"] = Field(alias="schema")
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    title: str = Field(min_length=1)
-    spec: str = ""  # what spec §13 asks of the stage
-    duration_s: float = Field(gt=0)  # target seconds
-    target_rate_qps: float = Field(default=1.0, gt=0)  # the target load; --target-rate
-    load: SoakLoad = Field(default_factory=SoakLoad)
-    bursts: Bursts | None = None
-    sampling: Sampling = Field(default_factory=Sampling)
-    pass_: PassConditions = Field(default_factory=PassConditions, alias="pass")
-    rules: str | None = None  # acceptance rules for the analysis (default: the default)
-
-
-class StageError(ValueError):
-    pass
-
-
-def load_stage(name_or_path: str) -> SoakStage:
-    p = Path(name_or_path)
-    if not p.exists():
-        p = STAGE_DIR / f"{name_or_path}.yaml"
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError:
-        known = sorted(x.stem for x in STAGE_DIR.glob("*.yaml"))
-        raise StageError(f"stage {name_or_path!r}: no such file; known stages {known}") from None
-    except yaml.YAMLError:
-        raise StageError(f"{p}: invalid YAML") from None
-    try:
-        return SoakStage.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        raise StageError(f"{p}: {where}: {err['msg']}") from None
-
-
-def stage_json_schema() -> dict[str, Any]:
-    return SoakStage.model_json_schema(by_alias=True)
-
-
-class _JsonLines:
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-
-    def write(self, row: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row, separators=(",", ":"), default=str) + "\n")
-
-
-def _boot_id() -> str | None:
-    """This boot of the host (a monotonic clock is only comparable within one boot)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Is `pid` a running calculet-load soak (not a reused pid)?"""
-    try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and "soak" in proc.cmdline()
-    except (psutil.Error, OSError):
-        return False
-
-
-def _repair_tail(path: Path) -> int:
-    """Cut a line left half-written by a killed process (appending after it would make a
-    line that is not JSON); the bytes dropped."""
-    try:
-        with path.open("rb+") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            if size == 0:
-                return 0
-            pos = size
-            while pos > 0:
-                step = min(65536, pos)
-                f.seek(pos - step)
-                chunk = f.read(step)
-                nl = chunk.rfind(b"\n")
-                if nl != -1:
-                    keep = pos - step + nl + 1
-                    break
-                pos -= step
-            else:
-                keep = 0
-            if keep < size:
-                f.truncate(keep)
-            return size - keep
-    except FileNotFoundError:
-        return 0
-
-
-def _last_row(path: Path, worker: str | None = None) -> dict[str, Any] | None:
-    """The last JSON row of a JSONL file (of `worker`, when rows name one)."""
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and (worker is None or row.get("worker", "w00") == worker):
-            return row
-    return None
-
-
-def _iso(wall_ns: int | None) -> str | None:
-    if wall_ns is None:
-        return None
-    t = wall_ns / 1e9
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
 
 
 class Soak:
@@ -266,7 +121,7 @@ class Soak:
             if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
                 raise StageError("--run-dir and --resume name different folders")
             self.run_dir = Path(args.resume)
-            self.state = self._resumable_state()
+            self.state = soakstate.load_state(self.run_dir, self.stage.name, self.manifest.run_id)
         else:
             default_dir = Path("runs") / f"{self.manifest.run_id}-soak-{self.stage.name}"
             self.run_dir = Path(args.run_dir or default_dir)
@@ -293,44 +148,7 @@ class Soak:
         if not self.args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
-    # ------------------------------------------------------------------ resuming
-    def _resumable_state(self) -> dict[str, Any]:
-        path = self.run_dir / STATE_FILE
-        try:
-            state: dict[str, Any] = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise StageError(f"--resume {self.run_dir}: no {STATE_FILE}: not a soak run") from None
-        except ValueError:
-            raise StageError(f"--resume: {path}: invalid JSON") from None
-        if state.get("schema") != STATE_SCHEMA:
-            raise StageError(
-                f"--resume: {path}: schema {state.get('schema')!r}, not {STATE_SCHEMA}"
-            )
-        if state.get("stage") != self.stage.name:
-            raise StageError(
-                f"--resume: {self.run_dir} runs stage {state.get('stage')!r}, not "
-                f"{self.stage.name!r}"
-            )
-        if state.get("run_id") != self.manifest.run_id:
-            raise StageError(
-                f"--resume: {self.run_dir} is run {state.get('run_id')!r}; the manifest says "
-                f"{self.manifest.run_id!r}"
-            )
-        if state.get("status") == "done":
-            raise StageError(f"--resume: {self.run_dir} has finished already (soak.json)")
-        prev = (state.get("attempts") or [None])[-1]
-        if (
-            prev is not None
-            and prev.get("boot_id") == _boot_id()
-            and prev.get("host") == socket.gethostname()
-            and prev.get("pid") != os.getpid()
-            and _alive(int(prev["pid"]))
-        ):
-            raise StageError(
-                f"--resume: the soak of {self.run_dir} is still running (pid {prev['pid']})"
-            )
-        return state
-
+    # ------------------------------------------------------------------ options, state
     def _options(self) -> dict[str, Any]:
         """The options that define the run; on --resume the run's own (an option given
         again must agree with them)."""
@@ -363,121 +181,46 @@ class Soak:
         assert self.state is not None
         self.state["plan"] = self.plan
         self.state["notes"] = self.notes
-        path = self.run_dir / STATE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(json.dumps(self.state, indent=1, default=str))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        soakstate.save_state(self.run_dir, self.state)
 
     def _event(self, status: str, **detail: Any) -> None:
         """A row of the run's `events.jsonl` (the format of `accept`'s event log)."""
         self.events.write({"wall_ns": time.time_ns(), "step": "soak", "status": status,
                            "worker": self.worker, **detail})  # fmt: skip
 
-    def _repair_files(self) -> dict[str, int]:
-        """Cut lines half-written at the kill, in every file this run appends to."""
-        cut = {}
-        names = ["events.jsonl", "soak/health.jsonl", "client/resources.jsonl",
-                 "server/resources.jsonl"] + [f"server/{k}.jsonl" for k in TRACE_KINDS]  # fmt: skip
-        for name in names:
-            n = _repair_tail(self.run_dir / name)
-            if n:
-                cut[name] = n
-        return cut
-
-    def _gap(self, prev: dict[str, Any]) -> dict[str, Any] | None:
-        """The gap the previous attempt left: from its last record or sample to now."""
+    def _resume_gap(self) -> dict[str, Any] | None:
+        """The gap the previous attempt left (soakstate.gap), added to the state."""
         assert self.state is not None
-        if prev.get("status") == "running":  # it never wrote its end: it died
-            prev["status"] = "killed"
-        if "planned_end_wall_ns" not in self.state:
-            self.notes.append(
-                f"attempt {prev['worker']} stopped before the load started: the stage started over"
-            )
+        prev = self.state["attempts"][-1] if self.state["attempts"] else None
+        if prev is None:
             return None
-        if self.state.get("status") == "judging":
-            self.notes.append(f"attempt {prev['worker']} stopped after the load: judged again")
+        note = soakstate.no_gap(self.state, prev)
+        if note is not None:
+            self.notes.append(note)
             return None
-        w = prev["worker"]
-        evidence: dict[str, int] = {"attempt start": int(prev["started_wall_ns"])}
-        for label, path, worker in (
-            ("client sample", self.run_dir / "client" / "resources.jsonl", w),
-            ("health sample", self.run_dir / "soak" / "health.jsonl", None),
-            ("server resource sample", self.run_dir / "server" / "resources.jsonl", None),
-        ):
-            row = _last_row(path, worker)
-            if row is not None and isinstance(row.get("wall_ns"), int):
-                evidence[label] = row["wall_ns"]
-        if prev.get("ended_wall_ns"):
-            evidence["clean stop"] = int(prev["ended_wall_ns"])
-        start_by, start = max(evidence.items(), key=lambda kv: kv[1])
-        resumed = time.time_ns()
-        planned_end = int(self.state["planned_end_wall_ns"])
-        end = max(start, min(resumed, planned_end))
-        on_disk = self._disk_counts(workers={w})
-        last = _last_row(self.run_dir / "client" / "resources.jsonl", w) or {}
-        if prev.get("status") == "terminated":
-            reason = f"client stopped by {prev.get('signal', 'a signal')} (flushed, resumable)"
-            lost: dict[str, Any] = {"open_part_lost": False, "requests_on_disk": on_disk["records"]}
-        else:
-            if prev.get("boot_id") not in (None, _boot_id()):
-                reason = "host rebooted: the client process died with it (no clean stop)"
-            else:
-                reason = "client process died without a clean stop (SIGKILL, OOM kill or crash)"
-            sent_last = int(last.get("sent", 0))
-            lost = {
-                "open_part_lost": True,
-                "lost_requests": "unknown",
-                "requests_on_disk": on_disk["records"],
-                "sent_at_last_sample": sent_last,
-                "lost_requests_at_least": max(0, sent_last - on_disk["sent"]),
-                "in_flight_at_last_sample": int(last.get("in_flight", 0)),
-            }
-        prev.setdefault("ended_wall_ns", start)
-        gap = {
-            "index": len(self.state["gaps"]) + 1,
-            "start_wall_ns": start,
-            "end_wall_ns": end,
-            "resumed_wall_ns": resumed,
-            "start": _iso(start),
-            "end": _iso(end),
-            "duration_s": round((end - start) / 1e9, 3),
-            "duration_target_s": round((end - start) / 1e9 / self.scale, 3),
-            "start_evidence": start_by,
-            "reason": reason,
-            "before_worker": w,
-            "after_worker": self.worker,
-            **lost,
-        }
-        if resumed > planned_end:
-            gap["note"] = "resumed after the stage's planned end: the rest of the stage is lost"
+        gap = soakstate.gap(
+            self.state,
+            prev,
+            self.run_dir,
+            worker=self.worker,
+            scale=self.scale,
+            on_disk=lambda w: disk_counts(self.run_dir, {w}),
+        )
+        self.state["gaps"].append(gap)
         return gap
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        repaired = self._repair_files() if self.state is not None else {}
+        repaired = soakstate.repair_files(self.run_dir) if self.state is not None else {}
         attempts = self.state["attempts"] if self.state is not None else []
         self.worker = "w00" if not attempts else f"w00-r{len(attempts)}"
-        self.events = _JsonLines(self.run_dir / "events.jsonl")
+        self.events = JsonLines(self.run_dir / "events.jsonl")
         if repaired:
             self.notes.append(f"cut half-written lines left by the killed process: {repaired}")
         if self.state is None:
             (self.run_dir / "manifest.yaml").write_text(Path(self.args.manifest).read_text())
-        from calculet_load.clock import clock_provenance
-
-        self.attempt: dict[str, Any] = {
-            "worker": self.worker,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "boot_id": _boot_id(),
-            "started_wall_ns": time.time_ns(),
-            "status": "running",
-            **clock_provenance(),
-        }
+        self.attempt = soakstate.new_attempt(self.worker)
         self.ctx = RunContext.from_manifest(self.manifest, self.worker)
         self.sink = PartSink(str(self.run_dir), self.worker)
         timeout = self.manifest.timeout_s
@@ -562,17 +305,12 @@ class Soak:
                 "started_wall_ns": time.time_ns(),
                 "health_at_start": {"status": status, "body": health},
             }
-            self.state = {"schema": STATE_SCHEMA, "stage": st.name, "run_id": self.manifest.run_id,
-                          "options": self.opts, "time_scale": self.scale, "status": "starting",
-                          "attempts": [], "gaps": []}  # fmt: skip
+            self.state = soakstate.new_state(st.name, self.manifest.run_id, self.opts, self.scale)
         else:
             self.scale = float(self.state["time_scale"])
             self.plan = self.state["plan"]
             self.notes = list(self.state.get("notes") or []) + self.notes
-            prev = self.state["attempts"][-1] if self.state["attempts"] else None
-            gap = self._gap(prev) if prev is not None else None
-            if gap is not None:
-                self.state["gaps"].append(gap)
+            gap = self._resume_gap()
             self.plan.setdefault("health_at_resume", []).append(
                 {"worker": self.worker, "status": status, "body": health}
             )
@@ -631,7 +369,7 @@ class Soak:
             now = time.time_ns()
             self.state["planned_start_wall_ns"] = now
             self.state["planned_end_wall_ns"] = now + int(duration_real * 1e9)
-            self.plan["planned_end"] = _iso(self.state["planned_end_wall_ns"])
+            self.plan["planned_end"] = iso(self.state["planned_end_wall_ns"])
         self.state["status"] = "running"
         self._save_state()
         # the stage's clock is the wall clock: a resumed attempt runs to the planned end
@@ -675,7 +413,7 @@ class Soak:
             (self.plan["ended_wall_ns"] - self.plan["started_wall_ns"]) / 1e9, 3
         )
         (self.run_dir / "plan.json").write_text(json.dumps(self.plan, indent=1, default=str))
-        code = self._judge(self.state.get("golden_before"), golden_after)
+        code = self._verdict(self.state.get("golden_before"), golden_after)
         self.state["status"] = "done"
         self._save_state()
         self._event("end", code=code)
@@ -777,11 +515,7 @@ class Soak:
             spec = self._spec(
                 k, chooser, arrival=ld.arrival, intended_start_ns=due, late_after_ms=5.0
             )
-            remaining = (due - time.monotonic_ns()) / 1e9
-            if remaining > TIMER_SLACK_S:
-                gevent.sleep(remaining - TIMER_SLACK_S)
-            while time.monotonic_ns() < due:
-                gevent.sleep(0)
+            sleep_until(due)
             if due / 1e9 >= self.t_end:  # stopped (SIGTERM) while waiting
                 break
             if pool.full():
@@ -859,7 +593,7 @@ class Soak:
 
     def _client_sample(self) -> None:
         if not hasattr(self, "_client_rows"):
-            self._client_rows = _JsonLines(self.run_dir / "client" / "resources.jsonl")
+            self._client_rows = JsonLines(self.run_dir / "client" / "resources.jsonl")
             self._proc = psutil.Process()
         mem = self._proc.memory_info()
         self._client_rows.write(
@@ -875,7 +609,7 @@ class Soak:
 
     def _health_loop(self) -> None:
         every = self._every(self.stage.sampling.resources_every_s)
-        rows = _JsonLines(self.run_dir / "soak" / "health.jsonl")
+        rows = JsonLines(self.run_dir / "soak" / "health.jsonl")
         while True:
             wall = time.time_ns()
             try:
@@ -902,383 +636,58 @@ class Soak:
         )
         return {"cases": len(self.golden.cases), "failures": failures}
 
-    def _write_index(self, status: str) -> None:
-        """`client/index.json`: every attempt is a worker. A killed one's part open at the
-        kill is lost (`open_part_lost`); the gap is in soak.json."""
-        assert self.state is not None
-        client = self.run_dir / "client"
-        workers = []
-        keys = ("ntp_offset_ns", "ntp_source", "ntp_synchronized", "ntp_detail", "clock_anchor")
-        for a in self.state["attempts"]:
-            w = a["worker"]
-            entry = {
-                "worker": w,
-                "host": a.get("host"),
-                "pid": a.get("pid"),
-                "status": "reported" if a.get("status") == "finished" else "interrupted",
-                "attempt_status": a.get("status"),
-                "parts": sorted(p.name for p in (client / w).glob("part-*.parquet")),
-                **{k: a[k] for k in keys if k in a},
-            }
-            if a.get("status") == "killed":
-                entry["open_part_lost"] = True
-            workers.append(entry)
-        index = {
-            "schema": "calculet-client-index/v1",
-            "run_id": self.manifest.run_id,
-            "status": status,
-            "source": f"calculet-load soak --stage {self.stage.name}",
-            "target": self.url,
-            "workers": workers,
-            "gaps": self.state["gaps"],
-        }
-        (client / "index.json").write_text(json.dumps(index, indent=1, default=str))
-
-    def _disk_counts(self, workers: set[str] | None = None) -> dict[str, Any]:
-        """Counts of the records on disk (every attempt's closed parts)."""
-        import numpy as np
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        cols = ["ext.worker", "ext.dropped", "ext.error_class", "result.http_status",
-                "result.error_code", "client_ns.request_start", "client_ns.response_end",
-                "client_ns.last_token", "client_ns.first_event"]  # fmt: skip
-        out: dict[str, Any] = {"records": 0, "sent": 0, "ok": 0, "errors": 0, "dropped": 0,
-                               "cut_at_stop": 0, "errors_by": {}, "longest_real_s": 0.0,
-                               "by_worker": {}}  # fmt: skip
-        for part in sorted((self.run_dir / "client").glob("*/part-*.requests.parquet")):
-            if workers is not None and part.parent.name not in workers:
-                continue
-            t = pq.read_table(part, columns=cols)
-            n = t.num_rows
-            dropped = np.asarray(pc.fill_null(t.column("ext.dropped"), False), dtype=bool)
-            cls = t.column("ext.error_class").to_pylist()
-            ok = np.array([c is None for c in cls], dtype=bool)
-            cut = np.array([c == "cancelled" for c in cls], dtype=bool)
-            err = ~ok & ~dropped & ~cut
-            out["records"] += n
-            out["dropped"] += int(dropped.sum())
-            out["sent"] += int((~dropped).sum())
-            out["ok"] += int(ok.sum())
-            out["cut_at_stop"] += int(cut.sum())
-            out["errors"] += int(err.sum())
-            if err.any():
-                st_, code = (
-                    t.column("result.http_status").to_pylist(),
-                    t.column("result.error_code").to_pylist(),
-                )
-                for i in np.flatnonzero(err):
-                    key = f"{st_[i]}:{code[i]}"
-                    out["errors_by"][key] = out["errors_by"].get(key, 0) + 1
-            start = t.column("client_ns.request_start").to_numpy(zero_copy_only=False)
-            end = None
-            for name in ("client_ns.response_end", "client_ns.last_token",
-                         "client_ns.first_event"):  # fmt: skip
-                col = t.column(name).to_numpy(zero_copy_only=False)
-                end = col if end is None else np.where(np.isnan(end.astype(float)), col, end)
-            if end is not None and n:
-                d = (end.astype(float) - start.astype(float)) / 1e9
-                d = d[~np.isnan(d)]
-                if d.size:
-                    out["longest_real_s"] = max(out["longest_real_s"], float(d.max()))
-            w = part.parent.name
-            out["by_worker"][w] = out["by_worker"].get(w, 0) + n
-        out["longest_real_s"] = round(out["longest_real_s"], 3)
-        return out
-
     # ------------------------------------------------------------------ verdict
-    def _judge(
+    def _write_index(self, status: str) -> None:
+        assert self.state is not None
+        soakstate.write_client_index(
+            self.run_dir,
+            self.state,
+            status=status,
+            run_id=self.manifest.run_id,
+            source=f"calculet-load soak --stage {self.stage.name}",
+            target=self.url,
+        )
+
+    def _verdict(
         self, golden_before: dict[str, Any] | None, golden_after: dict[str, Any] | None
     ) -> int:
-        """The stage's conditions. Each has a class: `target` (the service under test,
-        exit 1), `client` (this load generator's own flatness, exit 1, as the stage asks
-        for it) or `infrastructure` (the measurement itself: exit 3 when nothing else
-        failed)."""
+        """Judge the stage (calculet_load.soakjudge), write `soak.json` and say it."""
         assert self.state is not None
-        st = self.stage
-        p = st.pass_
         gaps: list[dict[str, Any]] = self.state["gaps"]
         attempts: list[dict[str, Any]] = self.state["attempts"]
-        conditions: list[dict[str, Any]] = []
-
-        def cond(name: str, cls: str, ok: bool | None, expected: Any, observed: Any) -> None:
-            conditions.append({"condition": name, "class": cls, "ok": ok,
-                               "expected": expected, "observed": observed})  # fmt: skip
-
-        counts = self._disk_counts()
-        unknown = [
-            {"worker": g["before_worker"], "lost_requests_at_least": g["lost_requests_at_least"],
-             "in_flight_at_last_sample": g["in_flight_at_last_sample"]}
-            for g in gaps if g.get("open_part_lost")
-        ]  # fmt: skip
-        sent = counts["sent"]
-        rate = counts["errors"] / sent if sent else 0.0
-        observed: dict[str, Any] = {"rate": round(rate, 6), "errors": counts["errors_by"],
-                                    **{k: counts[k] for k in ("sent", "ok", "errors", "dropped",
-                                                              "cut_at_stop")}}  # fmt: skip
-        if unknown:
-            observed["not_on_disk"] = unknown  # lost with a killed attempt's open part
-        cond("error rate", "target", rate <= p.max_error_rate, f"<= {p.max_error_rate:g}",
-             observed)  # fmt: skip
-        hang_limit = p.max_request_s * self.scale
-        hung = int(self.plan.get("hung_at_end", 0))
-        observed = {"longest_real_s": counts["longest_real_s"], "in_flight_at_end": hung}
-        if unknown:
-            observed["outcome_unknown"] = unknown
-        cond(
-            "no hang",
-            "target",
-            counts["longest_real_s"] <= hang_limit + 1.0 and hung == 0,
-            f"every request ends within {p.max_request_s:g} target s, none left in flight",
-            observed,
+        j: Judgement = judge(
+            StageResult(
+                run_dir=self.run_dir,
+                conditions=self.stage.pass_,
+                scale=self.scale,
+                planned_real_s=float(self.plan["run_duration_real_s"]),
+                hung_at_end=int(self.plan.get("hung_at_end", 0)),
+                rules=self.opts["rules"] or self.stage.rules,
+                attempts=attempts,
+                gaps=gaps,
+                golden_before=golden_before,
+                golden_after=golden_after,
+            )
         )
-        if p.no_abort:
-            health = _jsonl(self.run_dir / "soak" / "health.jsonl")
-            failures = [r for r in health if r.get("status") != 200]
-            observed = {"samples": len(health), "failures": len(failures), "first": failures[:3]}
-            if gaps:
-                observed["unsampled"] = [
-                    {"from": g["start"], "to": g["end"], "duration_s": g["duration_s"]}
-                    for g in gaps
-                ]
-            cond("no abort", "target", not failures,
-                 "/health 200 at every sample (the target's own samples; none in a gap)",
-                 observed)  # fmt: skip
-        if p.golden:
-            fails = (golden_before or {}).get("failures", []) + (golden_after or {}).get(
-                "failures", []
-            )
-            cond("golden before and after", "target", not fails, "every case matches",
-                 fails or "all match")  # fmt: skip
-        if p.client_rss_max_slope_mib_per_h is not None:
-            gate = p.client_rss_max_slope_mib_per_h
-            client = _client_slopes(self.run_dir / "client" / "resources.jsonl")
-            slopes = [s["slope_mib_per_h"] for s in client["segments"]
-                      if s.get("slope_mib_per_h") is not None]  # fmt: skip
-            observed = client["segments"][0] if len(client["segments"]) == 1 else client
-            cond("client memory flat", "client", all(s <= gate for s in slopes) if slopes else None,
-                 f"RSS slope <= {gate:g} MiB/h"
-                 + (" in each client process (not joined across a restart)" if gaps else ""),
-                 observed)  # fmt: skip
-        analysis_code, leaks = self._analysis()
-        if p.no_leak:
-            cond("no leak", "target", *self._leak_condition(leaks, attempts, gaps))
-        if p.analysis:
-            cls = "infrastructure" if analysis_code in (EXIT_INVALID, EXIT_INFRA) else "target"
-            cond("analysis", cls, analysis_code == 0 if analysis_code is not None else None,
-                 "calculet-load analyze exits 0", {"exit_code": analysis_code})  # fmt: skip
-        planned = float(self.plan["run_duration_real_s"])
-        gap_s = sum(g["duration_s"] for g in gaps)
-        cond(
-            "client continuity",
-            "infrastructure",
-            not gaps,
-            "one client process ran the whole stage (no restart, no gap)",
-            {"attempts": [a["worker"] for a in attempts], "gaps": len(gaps),
-             "gap_real_s": round(gap_s, 3), "coverage": round(max(0.0, 1 - gap_s / planned), 4),
-             "detail": [{k: g[k] for k in ("start", "end", "duration_s", "reason")}
-                        for g in gaps]},
-        )  # fmt: skip
-        failed = {c["class"] for c in conditions if c["ok"] is False}
-        if failed & {"target", "client"}:
-            code, verdict = EXIT_FAIL, "FAIL"
-        elif "infrastructure" in failed:
-            code, verdict = EXIT_INFRA, "INCOMPLETE" if gaps else "INVALID"
-        else:
-            code, verdict = EXIT_OK, "PASS"
-        if any(c["ok"] is None for c in conditions) and code == EXIT_OK:
-            self.notes.append("some conditions could not be evaluated (see soak.json)")
-        if gaps:
-            self.notes.append(
-                f"{len(gaps)} gap(s) in the stage ({gap_s:.1f} s real, "
-                f"{gap_s / planned:.1%} of it): the client restarted; the target's conditions "
-                "are judged from its own samples, the run is not a clean pass"
-            )
-        doc = {**self.plan, "verdict": verdict, "exit_code": code, "conditions": conditions,
-               "gaps": gaps, "attempts": [{k: a.get(k) for k in (
+        self.notes.extend(j.notes)
+        doc = {**self.plan, "verdict": j.verdict, "exit_code": j.code,
+               "conditions": j.conditions, "gaps": gaps, "attempts": [{k: a.get(k) for k in (
                    "worker", "pid", "host", "status", "started_wall_ns", "ended_wall_ns",
                    "load_ended_wall_ns", "loaded_real_s", "signal")} for a in attempts],
                "planned_start_wall_ns": self.state.get("planned_start_wall_ns"),
                "planned_end_wall_ns": self.state.get("planned_end_wall_ns"),
                "notes": self.notes}  # fmt: skip
         (self.run_dir / "soak.json").write_text(json.dumps(doc, indent=1, default=str))
-        self.say(f"soak {st.name}: {verdict} (exit {code})")
+        self.say(f"soak {self.stage.name}: {j.verdict} (exit {j.code})")
         for g in gaps:
             self.say(
                 f"  GAP  {g['index']}: {g['start']} .. {g['end']} ({g['duration_s']:.1f} s real, "
                 f"{g['duration_target_s']:.0f} target s): {g['reason']}"
             )
-        for c in conditions:
+        for c in j.conditions:
             mark = {True: "ok  ", False: "FAIL", None: "n/a "}[c["ok"]]
             self.say(f"  {mark} {c['condition']}: {json.dumps(c['observed'], default=str)[:240]}")
-        return code
-
-    def _leak_condition(
-        self,
-        leaks: dict[str, Any] | None,
-        attempts: list[dict[str, Any]],
-        gaps: list[dict[str, Any]],
-    ) -> tuple[bool | None, str, dict[str, Any]]:
-        """No leak: the analysis' leak section over the whole series; with gaps, also per
-        segment (each client process' stretch of samples), and the whole series only
-        where the samples' monotonic clocks are comparable (one boot of the host)."""
-        rows = [
-            {"series": k, "status": v.get("status"), "slope_per_h": v.get("slope_per_h"),
-             "reason": v.get("reason")}
-            for k, v in (leaks or {}).get("series", {}).items()
-            if v.get("status") not in (None, "not_configured", "no_data")
-        ]  # fmt: skip
-        expected = "no resource series with a significant growth above its gate"
-        observed: dict[str, Any] = {"resource_samples": (leaks or {}).get("samples", 0)}
-        if not gaps:
-            leaking = [r for r in rows if r["status"] == "leak"]
-            observed.update(leaking=leaking, series=rows)
-            return (not leaking if rows else None), expected, observed
-        boots = {a.get("boot_id") for a in attempts}
-        comparable = len(boots) == 1 and None not in boots
-        joined = [r for r in rows if r["status"] == "leak"] if comparable else []
-        segments = self._leak_segments(attempts)
-        seg_leaks = [
-            {"worker": s["worker"], **r} for s in segments for r in s["series"]
-            if r["status"] == "leak"
-        ]  # fmt: skip
-        judged = (comparable and bool(rows)) or any(
-            r["status"] in ("leak", "no_leak") for s in segments for r in s["series"]
-        )
-        observed.update(
-            leaking=joined + seg_leaks,
-            joined={
-                "series": rows if comparable else [],
-                "note": f"joined across {len(gaps)} gap(s): no samples in a gap, and no load"
-                if comparable
-                else "not judged: the host rebooted, the samples' clocks are not comparable",
-            },
-            segments=segments,
-        )
-        expected += " (per segment between gaps, and over the joined series)"
-        ok = not (joined or seg_leaks) if judged else None
-        return ok, expected, observed
-
-    def _leak_segments(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The leak rule on each attempt's stretch of server/resources.jsonl."""
-        try:
-            import numpy as np
-            import pyarrow as pa
-
-            from analysis.leaks import detect_leak
-            from analysis.resources import LEAK_SERIES, resource_series
-            from analysis.rules import load_rules
-        except ImportError:
-            return []
-        rules, _ = load_rules(self.opts["rules"] or self.stage.rules)
-        rule = next((r for r in rules.rules if r.kind == "leaks" and r.enabled), None)
-        if rule is None:
-            return []
-        rows = _jsonl(self.run_dir / "server" / "resources.jsonl")
-        starts = [int(a["started_wall_ns"]) for a in attempts] + [2**63]
-        out = []
-        for i, a in enumerate(attempts):
-            seg = [r for r in rows if starts[i] <= int(r.get("wall_ns", 0)) < starts[i + 1]]
-            if not seg:
-                continue
-            t_s, series, _ = resource_series(pa.Table.from_pylist(seg))
-            entry: dict[str, Any] = {
-                "worker": a["worker"],
-                "from": _iso(int(seg[0]["wall_ns"])),
-                "to": _iso(int(seg[-1]["wall_ns"])),
-                "samples": len(seg),
-                "span_server_s": round(float(t_s[-1]), 1) if len(t_s) else 0.0,
-                "series": [],
-            }
-            for name, gate in rule.min_slope_per_h.items():
-                y = series.get(name)
-                if y is None or not (~np.isnan(y)).any():
-                    continue
-                ok = ~np.isnan(y)
-                res = detect_leak(t_s[ok], y[ok], min_slope_per_h=gate, warmup_s=rule.warmup_s,
-                                  bin_s=rule.bin_s, alpha=rule.alpha, unit=LEAK_SERIES[name],
-                                  resource=name)  # fmt: skip
-                entry["series"].append(
-                    {"series": name, "status": str(res.status),
-                     "slope_per_h": res.slope_per_h, "reason": res.reason}
-                )  # fmt: skip
-            out.append(entry)
-        return out
-
-    def _analysis(self) -> tuple[int | None, dict[str, Any] | None]:
-        try:
-            from analysis.cli import analyze_run
-        except ImportError:
-            self.notes.append("analysis: not available in this build")
-            return None, None
-        rules = self.opts["rules"] or self.stage.rules
-        run = functools.partial(analyze_run, str(self.run_dir), rules=rules, quiet=True)
-        code = int(off_loop(run))
-        verdict = self.run_dir / "verdict.json"
-        leaks = None
-        if verdict.exists():
-            doc = json.loads(verdict.read_text())
-            leaks = doc.get("leaks")
-        return code, leaks
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            out.append(row)
-    return out
-
-
-def _client_slope(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Theil–Sen slope of one client process' RSS (MiB per real hour), after a 10%
-    warmup."""
-    if len(rows) < MIN_CLIENT_SAMPLES:
-        return {"samples": len(rows), "slope_mib_per_h": None,
-                "reason": f"fewer than {MIN_CLIENT_SAMPLES} samples: not judged"}  # fmt: skip
-    from scipy import stats
-
-    t = [(r["mono_ns"] - rows[0]["mono_ns"]) / 1e9 for r in rows]
-    y = [r["rss_bytes"] / 2**20 for r in rows]
-    keep = [i for i, ti in enumerate(t) if ti >= 0.1 * t[-1]]
-    out: dict[str, Any] = {
-        "samples": len(rows),
-        "span_real_s": round(t[-1], 1),
-        "first_mib": round(y[0], 1),
-        "last_mib": round(y[-1], 1),
-        "max_mib": round(max(y), 1),
-    }
-    if t[-1] - t[keep[0]] < MIN_CLIENT_SPAN_S:
-        out["slope_mib_per_h"] = None
-        out["reason"] = (
-            f"{t[-1] - t[keep[0]]:.1f} s after the warmup, under {MIN_CLIENT_SPAN_S:g} s of "
-            "real time: not judged (the process' own warmup would be taken for a trend)"
-        )
-        return out
-    fit = stats.theilslopes([y[i] for i in keep], [t[i] for i in keep])
-    out["slope_mib_per_h"] = round(float(fit.slope) * 3600.0, 3)
-    return out
-
-
-def _client_slopes(path: Path) -> dict[str, Any]:
-    """The RSS slope of each client process (attempt) separately: a restarted process
-    starts small, and joining it to the killed one would fake a drop or a rise."""
-    rows = _jsonl(path)
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by.setdefault(str(r.get("worker", "w00")), []).append(r)
-    segments = [{"worker": w, **_client_slope(rs)} for w, rs in by.items()]
-    if not segments:
-        segments = [{"worker": None, **_client_slope([])}]
-    return {"samples": len(rows), "segments": segments}
+        return j.code
 
 
 # ---------------------------------------------------------------------- CLI
