@@ -19,14 +19,21 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from analysis import batch, capacity, compare, resources, stats
+from analysis import batch, boundary, capacity, compare, resources, stats
 from analysis.cells import CellSummary
 from analysis.errors import ExitCode
 from analysis.evaluate import Context, evaluate
 from analysis.evidence import Evidence, build_evidence
 from analysis.legacy import check_not_legacy
 from analysis.load import load_run
-from analysis.rules import BatchRule, CapacityRule, LeakRule, RulesFile, load_rules
+from analysis.rules import (
+    BatchRule,
+    BoundaryPolicyRule,
+    CapacityRule,
+    LeakRule,
+    RulesFile,
+    load_rules,
+)
 from analysis.summary import summary_table
 from analysis.verdict import (
     VERDICT_SCHEMA,
@@ -85,9 +92,10 @@ def _quality_info(ev: Evidence) -> dict[str, Any]:
     }
 
 
-def _cell_info(s: CellSummary) -> dict[str, Any]:
+def _cell_info(s: CellSummary, *, is_boundary: bool = False) -> dict[str, Any]:
     return {
         "cell": s.key.label,
+        "boundary": is_boundary,
         "partition": s.partition,
         "records": s.records,
         "ok": s.ok,
@@ -126,9 +134,11 @@ def _first(rules: RulesFile, kind: type[Any]) -> Any:
 
 
 def _sections(rules: RulesFile, ctx: Context) -> dict[str, Any]:
-    """The batch (§7), capacity (§14.3) and leaks (§13) sections; null without data."""
+    """The batch (§7), capacity (§14.3), leaks (§13) and boundary (§6.1) sections; null
+    without data."""
     cap = capacity.cached_capacity(ctx, _first(rules, CapacityRule))
     return {
+        "boundary": boundary.boundary_section(ctx, _first(rules, BoundaryPolicyRule)),
         "batch": batch.batch_section(batch.cached_batch(ctx, _first(rules, BatchRule))),
         "capacity": capacity.capacity_section(cap),
         "leaks": resources.leak_section(ctx, _first(rules, LeakRule)),
@@ -159,7 +169,8 @@ def _document(
         "counts": counts,
         "quality": _quality_info(ctx.candidate),
         "baseline_quality": _quality_info(ctx.baseline) if ctx.baseline is not None else None,
-        "cells": [_cell_info(s) for s in ctx.candidate.summaries],
+        "cells": [_cell_info(s) for s in ctx.candidate.summaries]
+        + [_cell_info(s, is_boundary=True) for s in ctx.candidate.boundary_summaries],
         **_sections(rules, ctx),
         "verdicts": [verdict_dict(v) for v in verdicts],
         "methods": _methods(rules.analysis.confidence_level),
@@ -193,6 +204,7 @@ def analyze(
             n_resamples=settings.bootstrap_resamples,
             bootstrap_max_n=settings.bootstrap_max_n,
             progress=progress,
+            boundary=rules.boundary_cells,
         )
 
     cand = evidence(run, "candidate")

@@ -20,9 +20,11 @@ interactive SLA (`batch` rule: `max_tpot_p99_ms`), stating what the choice assum
 never calls one batch size best: a choice holds for one SLA, one workload and the
 calbin this run measured; another calbin needs its own run (compare with --baseline).
 
-`compiled_batch` comes from the batch rule; without it, it is the most active lanes
-any decode step had — a lower bound, exact once a cell filled the batch (§7 measures
-lanes 1..B).
+`compiled_batch` comes from the batch rule; without it, from the run manifest's `batch`
+section (the vendor's statement for the calbin: its B and how lanes that are not filled
+are handled, which this section carries as `vendor_statement`); without either, it is
+the most active lanes any decode step had — a lower bound, exact once a cell filled the
+batch (§7 measures lanes 1..B).
 """
 
 from __future__ import annotations
@@ -121,11 +123,15 @@ class BatchAnalysis:
     recommendations: list[dict[str, Any]]
     sla_tpot_p99_ms: float | None
     notes: list[str]
+    # the manifest's batch section: compiled_batch, partial_lanes, reference (spec §7)
+    vendor_statement: dict[str, Any] | None = None
     method: str = BATCH_METHOD
 
 
-def _floats(table: pa.Table, name: str) -> FloatArray:
-    return np.asarray(column_np(pc.cast(table.column(name), pa.float64()), np.nan), np.float64)
+def _floats(table: pa.Table, name: str, rows: IntArray) -> FloatArray:
+    """The column's values at `rows` (taken first: tens of millions of step rows)."""
+    col = table.column(name).take(pa.array(rows))
+    return np.asarray(column_np(pc.cast(col, pa.float64()), np.nan), np.float64)
 
 
 def _jobs(steps: pa.Table) -> tuple[Any, IntArray, IntArray, FloatArray, FloatArray]:
@@ -134,16 +140,24 @@ def _jobs(steps: pa.Table) -> tuple[Any, IntArray, IntArray, FloatArray, FloatAr
     is_decode = np.asarray(pc.fill_null(pc.equal(steps.column("kind"), "decode"), False))
     job = column_np(steps.column("job_id"), -1, np.int64)
     decode = np.flatnonzero(is_decode & (job >= 0))
-    ids, inverse, counts = np.unique(job[decode], return_inverse=True, return_counts=True)
-    device = _floats(steps, "device_wait_ms")[decode]
+    job = job[decode]
+    ids, inverse, counts = np.unique(job, return_inverse=True, return_counts=True)
+    del job
+    device = _floats(steps, "device_wait_ms", decode)
     step = device.copy()
     for phase in ("h2d_ms", "d2h_ms", "sampling_ms"):
-        step += _floats(steps, phase)[decode]
+        step += _floats(steps, phase, decode)
     job_device = np.full(ids.size, np.nan)
     job_step = np.full(ids.size, np.nan)
     job_device[inverse] = device  # every lane of a step carries the step's figures
     job_step[inverse] = step
-    return decode, counts.astype(np.int64), inverse.astype(np.int64), job_device, job_step
+    return (
+        decode,
+        counts.astype(np.int64, copy=False),
+        inverse.astype(np.int64, copy=False),
+        job_device,
+        job_step,
+    )
 
 
 def _levels(counts: IntArray, dev: FloatArray, step: FloatArray, b: int) -> list[LaneLevel]:
@@ -173,10 +187,9 @@ def _levels(counts: IntArray, dev: FloatArray, step: FloatArray, b: int) -> list
 def _workload(t: pa.Table, rows: IntArray) -> str:
     prompt = column_np(t.column("workload.prompt_tokens"), -1, np.int64)[rows]
     out = column_np(t.column("workload.requested_output_tokens"), -1, np.int64)[rows]
-    shapes = np.unique(np.stack((prompt, out)), axis=1) if rows.size else np.empty((2, 0))
-    if shapes.shape[1] != 1:
+    if rows.size == 0 or bool(np.any(prompt != prompt[0])) or bool(np.any(out != out[0])):
         return "mixed"
-    return f"p{int(shapes[0, 0])}-o{int(shapes[1, 0])}"
+    return f"p{int(prompt[0])}-o{int(out[0])}"
 
 
 def _wall_time_s(t: pa.Table, rows: IntArray) -> float | None:
@@ -206,20 +219,30 @@ def analyze_batch(ev: Evidence, rule: BatchRule | None = None) -> BatchAnalysis 
         return None
     notes: list[str] = []
     seen = int(counts.max())
+    stated = _vendor_statement(ev)
+    stated_b = stated.get("compiled_batch") if stated is not None else None
+    b, source = seen, "inferred"
     if rule is not None and rule.compiled_batch is not None:
         b, source = rule.compiled_batch, "rules"
-        if seen > b:
+        if isinstance(stated_b, int) and stated_b != b:
             notes.append(
-                f"decode steps with {seen} active lanes exceed compiled_batch {b} of the "
-                f"rules: B taken as {seen}; set compiled_batch to the calbin's batch"
+                f"the rules' compiled_batch {b} differs from the manifest's batch."
+                f"compiled_batch {stated_b}: B taken from the rules"
             )
-            b, source = seen, "inferred"
-    else:
-        b, source = seen, "inferred"
+    elif isinstance(stated_b, int) and stated_b > 0:
+        b, source = stated_b, "manifest"
+    if source == "inferred":
         notes.append(
             f"compiled batch inferred as {b}, the most active lanes of any decode step "
-            "(a lower bound until a cell fills the batch): set compiled_batch in the batch rule"
+            "(a lower bound until a cell fills the batch): set compiled_batch in the batch "
+            "rule or the manifest's batch section"
         )
+    elif seen > b:
+        notes.append(
+            f"decode steps with {seen} active lanes exceed compiled_batch {b} of the "
+            f"{source}: B taken as {seen}; set compiled_batch to the calbin's batch"
+        )
+        b, source = seen, "inferred"
     t = ev.table
     ok_row = column_np(t.column("ext.error_class"), "", object) == ""
     pos = positions(steps.column("request_id").take(pa.array(decode)), t.column("request_id"))
@@ -245,7 +268,18 @@ def analyze_batch(ev: Evidence, rule: BatchRule | None = None) -> BatchAnalysis 
         recommendations=_recommend(cells, b, source, sla),
         sla_tpot_p99_ms=sla,
         notes=notes,
+        vendor_statement=stated,
     )
+
+
+def _vendor_statement(ev: Evidence) -> dict[str, Any] | None:
+    """The run manifest's `batch` section (spec §7: the calbin's compiled batch and the
+    vendor's partial-lane policy), None when the manifest has none."""
+    manifest = ev.run.manifest
+    section = manifest.get("batch") if isinstance(manifest, dict) else None
+    if not isinstance(section, dict):
+        return None
+    return {k: section.get(k) for k in ("compiled_batch", "partial_lanes", "reference")}
 
 
 def _cells(
@@ -264,10 +298,11 @@ def _cells(
         cell_of_row[data[k].rows] = i
     c = np.where(pos >= 0, cell_of_row[np.maximum(pos, 0)], -1)
     sel = c >= 0
+    c, succeeded, lanes = c[sel], succeeded[sel], lanes[sel]
     m = len(keys)
-    lane_steps = np.bincount(c[sel], minlength=m)
-    useful = np.bincount(c[sel], weights=succeeded[sel].astype(np.float64), minlength=m)
-    share = np.bincount(c[sel], weights=1.0 / lanes[sel], minlength=m)  # steps held
+    lane_steps = np.bincount(c, minlength=m)
+    useful = np.bincount(c, weights=succeeded.astype(np.float64), minlength=m)
+    share = np.bincount(c, weights=1.0 / lanes, minlength=m)  # steps held
     tokens = column_np(t.column("workload.actual_output_tokens"), 0, np.float64)
     ok_row = column_np(t.column("ext.error_class"), "", object) == ""
     rows_out: list[tuple[CellKey, BatchCell]] = []
@@ -318,6 +353,9 @@ def _cells(
     ]
 
 
+_SOURCES = {"rules": "from the rules", "manifest": "from the manifest", "inferred": "inferred"}
+
+
 def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -344,7 +382,7 @@ def _recommend(
                 else "no interactive SLA given (batch rule: max_tpot_p99_ms)"
             ),
             f"workload {workload}, {'streamed' if stream else 'whole responses'}, closed loop",
-            f"compiled batch B{b} ({'from the rules' if source == 'rules' else 'inferred'})",
+            f"compiled batch B{b} ({_SOURCES.get(source, source)})",
             "aggregate tokens/s: steady-state output tokens/s of each cell",
             "one calbin per run: compare B1/B4/B8/B16 by running each (analyze --baseline)",
         ]

@@ -25,9 +25,11 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.join import BoolArray, FloatArray, IntArray, positions
+from analysis.join import BoolArray, FloatArray, IntArray
+from analysis.load import TokenParts
 from analysis.quality import Partition, Reason
-from analysis.stats import CellStats, steady_throughput, summarize
+from analysis.stats import CellStats, summarize, window_tokens
+from analysis.tokens import EventSums, SteadyWindows, reduce_events
 
 __all__ = [
     "CELL_FIELDS",
@@ -220,44 +222,6 @@ class _Cells:
         return out
 
 
-def _itl(
-    table: pa.Table, tokens: pa.Table, pos: IntArray | None = None
-) -> tuple[IntArray, FloatArray]:
-    """(request row, ms) per generated token after the first, from token events.
-
-    Each gap between consecutive token events of a request, divided by the tokens the
-    later event carried, is repeated that many times: ITL is aggregated per token.
-    `pos` is each event's request row (`positions`), when the caller has it already.
-    """
-    if tokens.num_rows == 0:
-        return np.empty(0, dtype=np.int64), np.empty(0)
-    if pos is None:
-        pos = positions(tokens.column("request_id"), table.column("request_id"))
-    count = _np(tokens.column("tokens"), np.int64, 0)
-    idx = _np(tokens.column("event_index"), np.int64, 0)
-    t = _np(tokens.column("arrival_ns"), np.int64, 0)
-    keep = (pos >= 0) & (count > 0)
-    if not keep.all():
-        pos, count, idx, t = pos[keep], count[keep], idx[keep], t[keep]
-    del keep
-    # one int64 key (request row, event index): a part written request by request is
-    # already in order and is not sorted again; interleaved streams are, once
-    key = pos << 24
-    key |= np.minimum(idx, (1 << 24) - 1)
-    del idx
-    if key.size > 1 and not bool(np.all(key[1:] >= key[:-1])):
-        order = np.argsort(key, kind="stable")
-        pos, count, t = pos[order], count[order], t[order]
-        del order
-    del key
-    same = pos[1:] == pos[:-1]
-    gap_ms = (t[1:] - t[:-1])[same] / 1e6
-    k = count[1:][same]
-    if bool(np.all(k == 1)):  # one token per event: nothing to repeat
-        return pos[1:][same], gap_ms
-    return np.repeat(pos[1:][same], k), np.repeat(gap_ms / k, k)
-
-
 def _with_client_wall(table: pa.Table, offsets: Mapping[str, int]) -> pa.Table:
     """Adds each request's start on the client's wall clock (NTP offset applied) and its
     span t0 → last stamp; token times are placed on that clock."""
@@ -276,90 +240,76 @@ def _with_client_wall(table: pa.Table, offsets: Mapping[str, int]) -> pa.Table:
     ).append_column("join.client_span_ns", pa.array(end - t0, type=pa.int64()))
 
 
-@dataclass(frozen=True, slots=True)
-class _Tokens:
-    """Token events on the client's wall clock, split by the group of their request."""
-
-    wall: IntArray
-    n: FloatArray
-    split: _Split
-    has_events: BoolArray
-
-    @classmethod
-    def of(cls, table: pa.Table, tokens: pa.Table, cells: _Cells, pos: IntArray) -> _Tokens:
-        keep = pos >= 0
-        every = bool(keep.all())
-        if not every:
-            pos = pos[keep]
-        # wall = arrival + (wall start − t0) of its request: one gather, added in place
-        offset = _np(table.column("join.client_wall_start_ns"), np.int64, 0) - _np(
-            table.column("client_ns.request_start"), np.int64, 0
-        )
-        wall = np.array(_np(tokens.column("arrival_ns"), np.int64, 0), copy=True)
-        if not every:
-            wall = wall[keep]
-        wall += offset[pos]
-        n_tok = _np(tokens.column("tokens"), np.float32, 0.0)
-        if not every:
-            n_tok = n_tok[keep]
-        has = np.zeros(table.num_rows, dtype=bool)
-        has[pos] = True
-        n_groups = len(cells.keys) * len(cells.partitions)
-        group = np.where(cells.ok & (cells.group >= 0), cells.group, n_groups)
-        return cls(wall, n_tok, _Split.of(group[pos], n_groups), has)
+def _windows(
+    table: pa.Table, cells: _Cells, succ: dict[int, IntArray], trim: float
+) -> SteadyWindows:
+    """Each group's steady window [w0 + trim·span, w1 − trim·span], where w0, w1 are the
+    first start and the last end of its successes `succ` (an empty window without)."""
+    n_groups = len(cells.keys) * len(cells.partitions)
+    w_start = np.zeros(n_groups, dtype=np.int64)
+    w_end = np.zeros(n_groups, dtype=np.int64)
+    start = _np(table.column("join.client_wall_start_ns"), np.int64, 0)
+    end = start + _np(table.column("join.client_span_ns"), np.int64, 0)
+    for g, rows in succ.items():
+        if rows.size:
+            w0, w1 = int(start[rows].min()), int(end[rows].max())
+            cut = int((w1 - w0) * trim)
+            w_start[g], w_end[g] = w0 + cut, w1 - cut
+    # an event's wall time = its arrival + (wall start − t0) of its request
+    offset = start - _np(table.column("client_ns.request_start"), np.int64, 0)
+    return SteadyWindows(w_start, w_end, offset)
 
 
 def _throughput(
-    table: pa.Table, succ: IntArray, tok: _Tokens, g: int, trim: float
+    table: pa.Table, succ: IntArray, events: EventSums, windows: SteadyWindows, g: int
 ) -> tuple[float | None, float | None, float | None, int]:
-    """Steady-state output tokens/s and completions/s of the successes `succ`: tokens
-    counted at their own arrival inside [w0 + trim·span, w1 − trim·span], where w0, w1
-    are the first start and the last end of those requests; completions/s counts the
-    requests that ended inside the closed window."""
+    """Steady-state output tokens/s and completions/s of the successes `succ` of group
+    `g`: tokens counted at their own arrival inside the group's window; completions/s
+    counts the requests that ended inside the closed window."""
     if succ.size == 0:
         return None, None, None, 0
-    start = _np(table.column("join.client_wall_start_ns"), np.int64, 0)[succ]
-    end = start + _np(table.column("join.client_span_ns"), np.int64, 0)[succ]
-    w0, w1 = int(start.min()), int(end.max())
-    cut = int((w1 - w0) * trim)
-    window = (w0 + cut, w1 - cut)
-    items = tok.split[g]
-    s_tok, n_tok = tok.wall[items], tok.n[items]
-    e_tok = s_tok
-    whole = succ[~tok.has_events[succ]]
+    window = (int(windows.start_ns[g]), int(windows.end_ns[g]))
+    whole = succ[~events.has_events[succ]]
+    spread, total = None, int(events.tokens[g])
     if whole.size:  # a whole (non-streamed) response: its tokens spread from t4 to t5
         t0 = _np(table.column("client_ns.request_start"), np.int64, 0)[whole]
         base = _np(table.column("join.client_wall_start_ns"), np.int64, 0)[whole]
         t4 = _np(table.column("client_ns.first_token"), np.int64, 0)[whole]
         t5 = _np(table.column("client_ns.last_token"), np.int64, 0)[whole]
         out_tok = _np(table.column("workload.actual_output_tokens"), np.float64, 0.0)[whole]
-        s_tok = np.concatenate((s_tok, base + (t4 - t0)))
-        e_tok = np.concatenate((e_tok, base + (np.maximum(t5, t4) - t0)))
-        n_tok = np.concatenate((n_tok, out_tok))
-    rate = steady_throughput(s_tok, e_tok, n_tok, window)
+        s, e = base + (t4 - t0), base + (np.maximum(t5, t4) - t0)
+        spread = window_tokens(s, e, out_tok, window)
+        total = int(events.tokens[g] + out_tok.sum())
     length_s = (window[1] - window[0]) / 1e9
     if length_s <= 0:
-        return rate, None, None, int(n_tok.sum())
+        return None, None, None, total
+    rate = None
+    if events.touched[g] or spread is not None:
+        rate = (float(events.window_tokens[g]) + (spread or 0.0)) / length_s
+    start = _np(table.column("join.client_wall_start_ns"), np.int64, 0)[succ]
+    end = start + _np(table.column("join.client_span_ns"), np.int64, 0)[succ]
     done = (end >= window[0]) & (end <= window[1])
-    return rate, float(np.count_nonzero(done)) / length_s, length_s, int(n_tok.sum())
+    return rate, float(np.count_nonzero(done)) / length_s, length_s, total
 
 
 def group_cells(
-    table: pa.Table, tokens: pa.Table, partitions: tuple[str, ...] = ("measured",)
+    table: pa.Table, tokens: TokenParts, partitions: tuple[str, ...] = ("measured",)
 ) -> list[CellData]:
     """Metric values per (cell, partition) for the partitions asked, in cell order."""
-    return _group(table, tokens, _Cells.of(table, partitions))
+    cells = _Cells.of(table, partitions)
+    return _group(table, cells, _reduce(table, tokens, cells).itl)
 
 
-def _group(
-    table: pa.Table, tokens: pa.Table, cells: _Cells, pos: IntArray | None = None
-) -> list[CellData]:
-    itl_pos, itl_ms = _itl(table, tokens, pos)
+def _reduce(
+    table: pa.Table, tokens: TokenParts, cells: _Cells, windows: SteadyWindows | None = None
+) -> EventSums:
+    """The token events reduced per group of successes (failures have no ITL)."""
     n_groups = len(cells.keys) * len(cells.partitions)
-    itl_g = np.where(
-        cells.ok[itl_pos] & (cells.group[itl_pos] >= 0), cells.group[itl_pos], n_groups
-    )
-    itl_split = _Split.of(itl_g, n_groups)
+    group = np.where(cells.ok & (cells.group >= 0), cells.group, n_groups)
+    return reduce_events(tokens, table.column("request_id"), group, n_groups, windows)
+
+
+def _group(table: pa.Table, cells: _Cells, itl: list[FloatArray]) -> list[CellData]:
     columns = {
         m.name: _np(pc.cast(table.column(m.column), pa.float64()), np.float64, np.nan)
         for m in METRICS
@@ -371,7 +321,7 @@ def _group(
         values: dict[str, FloatArray] = {}
         for m in METRICS:
             if m.column is None:
-                values[m.name] = itl_ms[itl_split[g]]
+                values[m.name] = itl[g]
             else:
                 values[m.name] = columns[m.name][succ if m.successes_only else rows]
         out.append(CellData(key, p, rows, values))
@@ -380,7 +330,7 @@ def _group(
 
 def summarize_cells(
     table: pa.Table,
-    tokens: pa.Table,
+    tokens: TokenParts,
     *,
     level: float = 0.95,
     trim_fraction: float = 0.1,
@@ -392,12 +342,14 @@ def summarize_cells(
     """Summaries of every cell and SUMMARY_PARTITIONS present, and their values."""
     table = _with_client_wall(table, client_offsets_ns or {})
     cells = _Cells.of(table, tuple(p.value for p in SUMMARY_PARTITIONS))
-    pos = positions(tokens.column("request_id"), table.column("request_id"))
-    data = _group(table, tokens, cells, pos)
-    tok = _Tokens.of(table, tokens, cells, pos)
-    del pos
     part = _np(table.column("quality.partition"), object, "")
     err = _np(table.column("ext.error_class"), object, "")
+    succ = {g: rows[err[rows] == ""] for g, _, _, rows in cells.each()}
+    windows = _windows(table, cells, succ, trim_fraction)
+    if progress is not None:
+        progress(f"reducing the token events of {len(tokens)} part(s)")
+    events = _reduce(table, tokens, cells, windows)
+    data = _group(table, cells, events.itl)
     cut_at = _np(table.column("ext.cancelled_at"), object, "")
     reasons = table.column("quality.reasons")
     excluded = part == Partition.EXCLUDED.value
@@ -418,16 +370,14 @@ def summarize_cells(
         failed = (e != "") & ~cancelled
         classes, counts = np.unique(e[failed].astype(str), return_counts=True)
         whole_cell = cells.by_cell[cell_index[cell.key]]
-        succ = rows[e == ""]
-        rate, rps, window_s, total = _throughput(
-            table, succ, tok, groups[(cell.key, cell.partition)], trim_fraction
-        )
+        g = groups[(cell.key, cell.partition)]
+        rate, rps, window_s, total = _throughput(table, succ[g], events, windows, g)
         summaries.append(
             CellSummary(
                 key=cell.key,
                 partition=cell.partition,
                 records=int(rows.size),
-                ok=int(succ.size),
+                ok=int(succ[g].size),
                 errors=int(np.count_nonzero(failed)),
                 cancelled=int(np.count_nonzero(cancelled)),
                 errors_by_class={str(c): int(k) for c, k in zip(classes, counts, strict=True)},

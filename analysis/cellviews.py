@@ -220,12 +220,67 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
     )
 
 
+def _counts(d: Any) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in (d or {}).items()) or DASH
+
+
+def _boundary_table(rv: RunView) -> Any:
+    """The boundary cells (spec §6.1) with their policy verdict, from verdict.json."""
+    section = (rv.verdict or {}).get("boundary")
+    if not isinstance(section, dict):
+        return None
+    cells = section.get("cells") or []
+    out = [
+        (
+            str(c.get("cell")),
+            str(c.get("status")).replace("_", " "),
+            fmt_int(c.get("records")),
+            fmt_int(c.get("followed")),
+            fmt_int(c.get("over_context")),
+            _counts(c.get("http_status")),
+            _counts(c.get("error_class")),
+            _counts(c.get("error_code")),
+            fmt_int(c.get("accepted")),
+            fmt_int(c.get("max_output_tokens")),
+            _counts(c.get("finish_reason")),
+            str(c.get("reason")),
+        )
+        for c in cells
+    ]
+    policy = section.get("policy") or "no enabled boundary_policy rule"
+    return table(
+        (
+            "cell",
+            "policy verdict",
+            "records (n)",
+            "followed",
+            "over context",
+            "HTTP status",
+            "error class",
+            "error code",
+            "served",
+            "max output",
+            "finish reason",
+            "reason",
+        ),
+        out,
+        name="boundary",
+        caption=f"boundary cells (spec §6.1: prompt + output over the context), judged only "
+        f"by the overflow policy ({policy}); not in the statistics above or in other rules",
+        numeric=(False, False, True, True, True, False, False, False, True, True, False, False),
+        row_class=[str(c.get("status")) for c in cells],
+    )
+
+
 def cells_section(rv: RunView, base: RunView | None) -> Section:
     s = Section("cells", "Per-cell statistics (spec §9)")
     rows = summary_rows(rv)
     methods = (rv.verdict or {}).get("methods") or {}
     level = float(methods.get("confidence_level") or 0.95)
+    boundary = _boundary_table(rv)
     if not rows:
+        if boundary is not None:
+            s.tables.append(boundary)
         return s.empty("summary.parquet is missing (run `calculet-load analyze RUN`)")
     r0 = rows[0]
     s.intro.append(
@@ -239,6 +294,8 @@ def cells_section(rv: RunView, base: RunView | None) -> Section:
     metrics = [m for m in METRIC_TITLES if any(r["metric"] == m for r in rows)]
     for m in metrics:
         s.tables.append(_metric_table(m, rows, level))
+    if boundary is not None:
+        s.tables.append(boundary)
     fig = _cdf_figure(rv, base)
     if fig is not None:
         s.figures.append(fig)

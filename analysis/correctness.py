@@ -141,7 +141,7 @@ _FLAG = {
 def _max_count(rule: MaxCountRule, ctx: Context) -> list[RuleVerdict]:
     t = ctx.candidate.table
     column, what, where = _FLAG[rule.kind]
-    sent = sent_mask(t)
+    sent = sent_mask(t) & ~ctx.candidate.in_boundary()  # boundary cells: analysis.boundary
     flagged = column_np(t.column(column), False, bool) & sent
     n, count = int(np.count_nonzero(sent)), int(np.count_nonzero(flagged))
     if n == 0:

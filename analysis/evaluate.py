@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from analysis import batch, capacity, comparisons, correctness, limits, resources
+from analysis import batch, boundary, capacity, comparisons, correctness, limits, resources
 from analysis.evidence import Context, verdict_for
 from analysis.infra import check_infrastructure
 from analysis.rules import RULE_CLASS, RulesFile
@@ -22,6 +22,7 @@ HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {
     **capacity.HANDLERS,
     **batch.HANDLERS,
     **resources.HANDLERS,
+    **boundary.HANDLERS,
 }
 assert set(HANDLERS) == set(RULE_CLASS), "every rule kind has exactly one handler"
 

@@ -3,6 +3,7 @@ the context rule handlers read, and their small shared helpers."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,24 @@ __all__ = ["Context", "Evidence", "build_evidence", "column_np", "sent_mask", "v
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
+    """`summaries` and `cells` are the performance cells; the boundary cells (spec §6.1,
+    judged only by their overflow policy: analysis.boundary) are named in
+    `boundary_names`, summarized in `boundary_summaries`, and in no rule's statistics."""
+
     run: RunData
     table: pa.Table  # joined records + quality columns
     quality: QualityReport
     summaries: list[CellSummary]
     cells: list[CellData]
+    boundary_names: frozenset[str] = frozenset()
+    boundary_summaries: list[CellSummary] = field(default_factory=list)
+
+    def in_boundary(self) -> Any:
+        """Per record of `table`: whether it belongs to a boundary cell."""
+        if not self.boundary_names:
+            return np.zeros(self.table.num_rows, dtype=bool)
+        names = pa.array(sorted(self.boundary_names), pa.string())
+        return column_np(pc.is_in(self.table.column("ext.cell"), value_set=names), False, bool)
 
     def values(
         self, partition: str = Partition.MEASURED.value
@@ -55,8 +69,10 @@ def build_evidence(
     n_resamples: int = 1000,
     bootstrap_max_n: int = 2000,
     progress: Callable[[str], None] | None = None,
+    boundary: Sequence[str] = (),
 ) -> Evidence:
-    """Quality partitions, then per-cell summaries, of a loaded (joined) run."""
+    """Quality partitions, then per-cell summaries, of a loaded (joined) run; cells
+    whose name matches a `boundary` pattern are set apart (Evidence)."""
     table, report = apply_quality(run)
     summaries, cells = summarize_cells(
         table,
@@ -68,7 +84,21 @@ def build_evidence(
         bootstrap_max_n=bootstrap_max_n,
         progress=progress,
     )
-    return Evidence(run, table, report, summaries, cells)
+    names = table.column("ext.cell").unique().drop_null().to_pylist()
+    apart = frozenset(
+        str(n) for n in names if any(fnmatch.fnmatchcase(str(n), p) for p in boundary)
+    )
+    if not apart:
+        return Evidence(run, table, report, summaries, cells)
+    return Evidence(
+        run,
+        table,
+        report,
+        [s for s in summaries if s.key.name not in apart],
+        [c for c in cells if c.key.name not in apart],
+        apart,
+        [s for s in summaries if s.key.name in apart],
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -314,14 +314,31 @@ def batch_section(rv: RunView) -> Section:
         if rv.verdict is not None and "batch" not in rv.verdict:
             why = "verdict.json has no batch section (run `calculet-load analyze` again)"
         return s.empty(why)
+    source = {
+        "rules": "from the acceptance rules",
+        "manifest": "from the run manifest's batch section",
+        "inferred": "inferred: the most active lanes of any decode step, a lower bound",
+    }.get(str(b.get("compiled_batch_source")), str(b.get("compiled_batch_source")))
     s.intro.append(
-        f"Compiled batch B{b.get('compiled_batch')} ({b.get('compiled_batch_source')}); "
+        f"Compiled batch B{b.get('compiled_batch')} ({source}); "
         f"{fmt_int(b.get('decode_steps'))} decode and {fmt_int(b.get('prefill_steps'))} "
         f"prefill steps; fill ratio {fmt_pct(_100(b.get('fill_ratio')))}, lane waste "
         f"{fmt_pct(_100(b.get('lane_waste')))}. Aggregate tokens/s and single-request TPOT "
         "P99 side by side; one calbin per run: compare B4/B8/B16 runs with --baseline. "
         f"Method: {b.get('method', '?')}."
     )
+    stated = b.get("vendor_statement")
+    if isinstance(stated, dict) and stated.get("partial_lanes"):
+        ref = f" (reference: {stated['reference']})" if stated.get("reference") else ""
+        s.intro.append(
+            f"Vendor's partial-lane policy for B{stated.get('compiled_batch')} (manifest "
+            f"batch.partial_lanes){ref}: {stated['partial_lanes']}"
+        )
+    else:
+        s.intro.append(
+            "Vendor's partial-lane policy: not stated (spec §7 requires the vendor to state "
+            "how lanes that are not filled are handled: the manifest's batch section)"
+        )
     levels = b.get("by_active_lanes") or []
     s.tables.append(
         table(

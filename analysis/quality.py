@@ -150,7 +150,7 @@ def _saturation(
     )
     bad = (lag > lag_ms) | (cpu > cpu_percent)
     without = []
-    for w in np.unique(workers[ok]):
+    for w in sorted(set(workers[ok].tolist())):  # a set: np.unique sorts 1 M objects
         rows = np.flatnonzero(sw_workers == w)
         req = np.flatnonzero((workers == w) & ok)
         if rows.size == 0:

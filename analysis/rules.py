@@ -25,11 +25,13 @@ from analysis.errors import RulesError
 from calculet_load.schema.records import SchemaVersionError, check_schema
 
 __all__ = [
+    "BOUNDARY_CELLS",
     "DEFAULT_RULES",
     "RULES_SCHEMA",
     "RULE_CLASS",
     "AnalysisSettings",
     "BatchRule",
+    "BoundaryPolicyRule",
     "CapacityRule",
     "CellSelector",
     "DeviceLimitsRule",
@@ -42,10 +44,12 @@ __all__ = [
     "OptimizationRule",
     "RegressionRule",
     "RegressionSpec",
+    "RejectExpectation",
     "Rule",
     "RulesFile",
     "SloRule",
     "ThroughputGainRule",
+    "TruncateExpectation",
     "load_rules",
     "parse_rules",
     "rules_json_schema",
@@ -287,6 +291,43 @@ class LeakRule(_Rule):
         return v
 
 
+class RejectExpectation(_Strict):
+    """How a refused boundary request reads in its record: `result.http_status` one of
+    `http_status`, `ext.error_class` one of `error_class`, and (unless null)
+    `result.error_code` (the error body's type) one of `error_code`."""
+
+    http_status: list[int] = Field(default_factory=lambda: [400], min_length=1)
+    error_class: list[str] = Field(default_factory=lambda: ["http_4xx"], min_length=1)
+    error_code: list[str] | None = None
+
+
+class TruncateExpectation(_Strict):
+    """How an accepted, truncated boundary request reads: a success whose
+    `result.finish_reason` is one of `finish_reason` and whose output fits the context
+    (prompt + output tokens ≤ max_context)."""
+
+    finish_reason: list[str] = Field(default_factory=lambda: ["length"], min_length=1)
+
+
+class BoundaryPolicyRule(_Rule):
+    """Spec §6.1 boundary cells (prompt + output over the context, `kind: boundary` in
+    the matrix): judged only against the target's declared overflow policy, one verdict
+    per cell, and kept out of every other rule and of the performance statistics.
+
+    A request whose prompt + requested output exceeds `max_context` follows the policy
+    when it is refused as `reject` says (policy `reject`), or served, truncated, as
+    `truncate` says (policy `truncate`); a request of the cell that fits the context
+    must be served. Anything else — accepted and run past the context, a 5xx, a
+    timeout, a reset — fails. Cells are those whose name (ext.cell) matches `cells`."""
+
+    kind: Literal["boundary_policy"]
+    cells: list[str] = Field(default_factory=lambda: ["boundary*"], min_length=1)
+    policy: Literal["reject", "truncate"] = "reject"
+    max_context: int = Field(default=40960, gt=1)
+    reject: RejectExpectation = Field(default_factory=RejectExpectation)
+    truncate: TruncateExpectation = Field(default_factory=TruncateExpectation)
+
+
 class DeviceLimitsRule(_Rule):
     """§14 power/temperature within limits, over every device.jsonl row of the run."""
 
@@ -306,7 +347,8 @@ Rule = Annotated[
     | CapacityRule
     | DeviceLimitsRule
     | BatchRule
-    | LeakRule,
+    | LeakRule
+    | BoundaryPolicyRule,
     Field(discriminator="kind"),
 ]
 
@@ -323,7 +365,12 @@ RULE_CLASS: dict[str, str] = {
     "device_limits": "performance",
     "batch": "performance",
     "leaks": "correctness",
+    "boundary_policy": "correctness",
 }
+
+BOUNDARY_CELLS = ("boundary*",)
+"""The names the matrix gives `kind: boundary` cells (calculet_load.matrix): boundary
+cells when the rules file has no boundary_policy rule to say otherwise."""
 
 
 class AnalysisSettings(_Strict):
@@ -363,6 +410,14 @@ class RulesFile(_Strict):
         except SchemaVersionError as exc:
             raise ValueError(str(exc).removeprefix("schema: ")) from None
         return v
+
+    @property
+    def boundary_cells(self) -> tuple[str, ...]:
+        """Name patterns of the boundary cells: every boundary_policy rule's `cells`,
+        enabled or not (a disabled rule leaves them unjudged, never judged as
+        performance cells); BOUNDARY_CELLS without such a rule."""
+        found = [p for r in self.rules if isinstance(r, BoundaryPolicyRule) for p in r.cells]
+        return tuple(dict.fromkeys(found)) or BOUNDARY_CELLS
 
     @model_validator(mode="after")
     def _unique_ids(self) -> RulesFile:

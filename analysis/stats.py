@@ -42,6 +42,7 @@ __all__ = [
     "std_ci",
     "steady_throughput",
     "summarize",
+    "window_tokens",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -446,6 +447,19 @@ def steady_throughput(
 
     None when the window is empty or no item touches it (nothing observed).
     """
+    inside = window_tokens(start_ns, end_ns, tokens, window_ns)
+    w0, w1 = window_ns
+    return None if inside is None else inside / ((w1 - w0) / 1e9)
+
+
+def window_tokens(
+    start_ns: npt.ArrayLike,
+    end_ns: npt.ArrayLike,
+    tokens: npt.ArrayLike,
+    window_ns: tuple[int, int],
+) -> float | None:
+    """Σᵢ tokensᵢ · shareᵢ, the numerator of `steady_throughput` (tokens); None when the
+    window is empty or no item touches it."""
     s = np.asarray(start_ns, dtype=np.int64)
     e = np.asarray(end_ns, dtype=np.int64)
     tok = np.asarray(tokens, dtype=np.float64)
@@ -463,4 +477,4 @@ def steady_throughput(
     touched = np.where(point, share > 0, overlap > 0)
     if not touched.any():
         return None
-    return float(np.sum(tok * share)) / ((w1 - w0) / 1e9)
+    return float(np.sum(tok * share))

@@ -159,7 +159,7 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
         + f"; dropped {parts.get('dropped', 0)}, cut at stop {parts.get('cut_at_stop', 0)}"
     )
     lines.append(f"  server traces joined to {doc['run']['joined']} records")
-    measured = [c for c in doc["cells"] if c["partition"] == "measured"]
+    measured = [c for c in doc["cells"] if c["partition"] == "measured" and not c.get("boundary")]
     for c in measured[:_MAX_CELLS]:
         p50 = c["p50_ms"]
         figures = ", ".join(

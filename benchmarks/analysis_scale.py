@@ -4,7 +4,8 @@ Generates a run folder the way a large run leaves it — two workers' rotated Pa
 written with the schema module's Arrow schemas (zstd, as the sink writes them), the
 server's `steps.jsonl` and `device.jsonl` as JSON lines, a complete `client/index.json`
 — with numpy and pyarrow only (no per-record Python), then runs `calculet-load analyze`
-on it in a subprocess and reports its wall time and peak memory (the child's max RSS).
+on it in a subprocess and reports its wall time, CPU time and peak memory (the child's
+max RSS).
 
 The synthetic run: 16 closed-loop cells (concurrency 1/2/4/8 × prompts 128…8192), every
 request streaming 50 tokens (one token per event), TTFT and TPOT lognormal around
@@ -12,7 +13,13 @@ plausible values; every 5th request traced by the server: 50 steps each (a prefi
 decodes) in a compiled batch of 4, lanes shared by consecutive traced requests of a
 cell. Target (issue 5): ≤ 60 s and ≤ 4 GB on 2 cores.
 
+Measured on the 2-core, 24 GiB development machine (load average < 1.5, one run each):
+steps.parquet 28 s wall (30 s CPU), 3.70 GB peak RSS; --steps-jsonl 47 s (56 s CPU),
+3.79 GB. The code before token events were reduced part by part: 42 s, 7.5 GB and 62 s,
+7.9 GB. See docs/analysis.md "At scale".
+
 Usage: .venv/bin/python benchmarks/analysis_scale.py [--requests N] [--keep DIR]
+       [--reuse DIR] [--steps-jsonl]
 """
 
 from __future__ import annotations
@@ -342,11 +349,16 @@ def main() -> int:
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t
-    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_gb = usage.ru_maxrss * 1024 / 1e9
     print(proc.stderr[-3000:], end="")
     print(proc.stdout.splitlines()[-1] if proc.stdout else "(no output)")
     verdict = json.loads((out / "verdict.json").read_text()) if proc.returncode != 2 else {}
-    print(f"\nanalyze: exit {proc.returncode}, {wall:.1f} s wall, peak RSS {peak_gb:.2f} GB")
+    cpu = usage.ru_utime + usage.ru_stime
+    print(
+        f"\nanalyze: exit {proc.returncode}, {wall:.1f} s wall ({cpu:.1f} s CPU), "
+        f"peak RSS {peak_gb:.2f} GB"
+    )
     if verdict:
         batch = verdict.get("batch") or {}
         print(
@@ -359,7 +371,8 @@ def main() -> int:
         "\nWhat the figures mean: the wall time is the whole `calculet-load analyze` process "
         "(interpreter start, reading every part and trace file, joining, quality, per-cell "
         "statistics with their intervals, batch/capacity/leak sections, rules, writing "
-        "verdict.json and summary.*); peak RSS is the child process's maximum resident "
+        "verdict.json and summary.*); CPU is its user + system time (on a shared machine "
+        "the steadier figure); peak RSS is the child process's maximum resident "
         f"memory. Target ≤ 60 s and ≤ 4 GB on 2 cores: {'met' if ok else 'MISSED'}."
     )
     shutil.rmtree(out, ignore_errors=True)

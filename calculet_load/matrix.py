@@ -16,7 +16,14 @@ A matrix file is YAML, validated here (`calculet-load schema matrix`):
       - {name: boundary-40959, kind: boundary, prompt_tokens: 40959, max_tokens: 2}
 
 A `grid` expands to one cell per combination, named from its values. A `boundary` cell is
-judged by the target's rejection/truncation policy, never as a performance cell.
+judged by the target's rejection/truncation policy, never as a performance cell: its
+name starts with "boundary" (and no other cell's does), which is how the acceptance
+rule `boundary_policy` finds it in the records.
+
+A batch matrix (spec §7: B4/B8/B16 each measured at active lanes 1..B) declares the
+artifact it is for with `compiled_batch: B`; `accept` then requires the manifest's `batch`
+section (the vendor's statement of how lanes that are not filled are handled) to name
+the same B, and the target's /admin/state, when it reports one, to serve it.
 """
 
 from __future__ import annotations
@@ -75,14 +82,28 @@ class Matrix(BaseModel):
     description: str = ""
     repetitions: int = Field(default=30, ge=1)
     short_repetitions: int = Field(default=100, ge=1)
+    compiled_batch: int | None = Field(
+        default=None,
+        gt=0,
+        description="spec §7: the compiled batch B of the calbin this matrix measures "
+        "(active lanes 1..B); accept requires the manifest's batch section to match",
+    )
     cells: list[Cell] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _expand_and_check(self) -> Matrix:
-        names = [c.name for c in self.expanded()]
+        cells = self.expanded()
+        names = [c.name for c in cells]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"cells: duplicate cell names {dupes}")
+        # the analysis finds boundary cells by name (acceptance rule boundary_policy)
+        wrong = [c.name for c in cells if (c.kind == "boundary") != c.name.startswith("boundary")]
+        if wrong:
+            raise ValueError(
+                f"cells: {wrong}: a boundary cell's name starts with 'boundary', and only "
+                "a boundary cell's does (the acceptance rules judge such cells by name)"
+            )
         return self
 
     def expanded(self) -> list[Cell]:

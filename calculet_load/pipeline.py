@@ -308,6 +308,7 @@ class Pipeline:
             health = self._get_json("/health")
         except (OSError, ValueError) as exc:
             raise Stop(EXIT_INFRA, f"release: target {self.url} unreachable: {exc}") from None
+        state: Any = None
         if self.o.admin_token:
             try:
                 state = self._get_json("/admin/state", admin=True)
@@ -329,7 +330,10 @@ class Pipeline:
             checked.append("served calbin and generation")
         else:
             self.notes.append("release: no admin token, the served calbin was not checked")
-        self.log.write("release", "end", checked=checked, health=health.get("status"))
+        batch = _release_batch(self.matrix, self.manifest, state)
+        if batch is not None and batch["served_compiled_batch"] is not None:
+            checked.append("served compiled batch")
+        self.log.write("release", "end", checked=checked, health=health.get("status"), batch=batch)
         self.say(f"release verified ({', '.join(checked) or 'manifest only'})")
 
     # --------------------------------------------------------------- workers
@@ -799,6 +803,44 @@ def interleave_manifest(cand_manifest: str, target: str, folder: Path) -> str:
     path = folder / "manifest.given.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return str(path)
+
+
+def _release_batch(matrix: Matrix, manifest: RunManifest, state: Any) -> dict[str, Any] | None:
+    """Spec §7 at release: a batch matrix (`compiled_batch: B`) needs the vendor's
+    statement of how lanes that are not filled are handled (manifest `batch`) for the same
+    B, served by the target when its /admin/state says (exit 2 otherwise). Returns what
+    the release `end` event records (None: neither the matrix nor the manifest has one)."""
+    want, stated = matrix.compiled_batch, manifest.batch
+    if want is not None and stated is None:
+        raise Stop(
+            EXIT_INVALID,
+            f"release: manifest batch.partial_lanes missing: matrix {matrix.name} measures "
+            f"compiled batch B{want}, and spec §7 requires the vendor to state how lanes "
+            "that are not filled are handled (masked/padded) in the manifest's batch section",
+        )
+    if stated is None:
+        return None
+    if want is not None and stated.compiled_batch != want:
+        raise Stop(
+            EXIT_INVALID,
+            f"release: manifest batch.compiled_batch {stated.compiled_batch} != matrix "
+            f"{matrix.name} compiled_batch {want}",
+        )
+    block = state.get("batch") if isinstance(state, dict) else None
+    served = block.get("compiled_batch") if isinstance(block, dict) else None
+    if served is not None and served != stated.compiled_batch:
+        raise Stop(
+            EXIT_INVALID,
+            f"release: the target serves compiled batch {served} (/admin/state batch."
+            f"compiled_batch) but the manifest says batch.compiled_batch "
+            f"{stated.compiled_batch}",
+        )
+    return {
+        **stated.model_dump(),
+        "matrix_compiled_batch": want,
+        "served_compiled_batch": served,
+        "served_partial_lanes": block.get("partial_lanes") if isinstance(block, dict) else None,
+    }
 
 
 def _free_port() -> int:

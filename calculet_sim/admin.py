@@ -35,6 +35,16 @@ _OPERATOR = re.compile(r"[A-Za-z0-9._@\-]{1,64}")
 _Action = Callable[[web.Request, Any], Awaitable[tuple[int, dict[str, Any]]]]
 
 
+# Spec §7: the simulator's own statement of how lanes that are not filled are handled
+# (what calculet_sim.engine._pick/device_ms do; docs/simulator.md "Compiled batch").
+PARTIAL_LANES = (
+    "masked: a decode step runs all B lanes at the cost of a full batch; lanes without a "
+    "sequence are padding whose output is discarded; every step refills the lanes from "
+    "the active sequences not in flight (round robin past B); a prefill runs one "
+    "sequence alone"
+)
+
+
 def state_of(eng: Engine) -> dict[str, Any]:
     sched = eng.p.scheduling
     proc = psutil.Process(os.getpid())
@@ -46,6 +56,11 @@ def state_of(eng: Engine) -> dict[str, Any]:
         "generation_changes": eng.generation_changes,
         "profile": eng.p.name,
         "time_scale": eng.p.time_scale,
+        "batch": {
+            "compiled_batch": sched.compiled_batch,
+            "ping_pong": sched.ping_pong,
+            "partial_lanes": PARTIAL_LANES,
+        },
         "slots": {"total": sched.slots, "in_use": eng.slots_in_use},
         "queue": {"waiting": len(eng.waiting), "max": sched.queue_max},
         "sequences_active": len(eng.active),

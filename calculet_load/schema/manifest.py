@@ -114,6 +114,18 @@ class Maintenance(_Section):
     ticket: str | None = None  # the change ticket or vendor contract that allows it
 
 
+class Batch(_Section):
+    """Spec §7: the calbin's compiled batch and the vendor's statement of how lanes that
+    are not filled are handled (masked, padded, ...): §7 requires the vendor to state it
+    before a batch artifact is measured at active lanes 1..B. Not among spec §5's fields;
+    `accept` requires it when the matrix declares `compiled_batch`."""
+
+    compiled_batch: int = Field(gt=0)
+    # e.g. "masked: every decode step computes all B lanes; empty lanes are padding"
+    partial_lanes: str = Field(min_length=1)
+    reference: str | None = None  # the vendor document or ticket that states it
+
+
 class RunManifest(_Section):
     schema_: Literal["calculet-perf-run/v1"] = Field(alias="schema")
     run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,128}$")
@@ -129,6 +141,7 @@ class RunManifest(_Section):
     measured_requests: int = Field(default=100, gt=0)
     timeout_s: float = Field(default=900, gt=0)
     maintenance: Maintenance | None = None
+    batch: Batch | None = None
 
 
 class ManifestError(ValueError):

@@ -39,6 +39,7 @@ def test_default_rules_are_valid_and_cover_section_14() -> None:
         "capacity",
         "device_limits",
         "leaks",
+        "boundary_policy",
     }
     refactor = next(r for r in rules.rules if r.id == "refactor")
     assert refactor.kind == "regression"
