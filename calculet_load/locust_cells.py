@@ -118,8 +118,10 @@ class Fleet:
                     "--master-host", "127.0.0.1", "--master-port", str(self.bind_port),
                     "--loglevel", "WARNING",
                 ]  # fmt: skip
+                env = dict(os.environ, CALCULET_SPOOL_DIR=str(logs / "spool"))
                 with (logs / f"locust-worker-{i + 1}.log").open("ab") as out:
-                    self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+                self.procs.append(proc)
             atexit.register(self._kill_local)
         self.say(f"waiting for {self.expect} Locust worker(s) on port {self.bind_port}")
         deadline = time.monotonic() + timeout_s
@@ -293,7 +295,12 @@ class Agent:
                "software": Software(**ctx["software"]), "hardware": Hardware(**ctx["hardware"])}
         )  # fmt: skip
         target = job["target"]
-        self.spool = Path(tempfile.mkdtemp(prefix="calculet-spool-"))
+        # CALCULET_SPOOL_DIR: where the spool goes (the master sets it for local workers:
+        # under the run's logs/, so a killed worker's unsent parts stay with the run)
+        spool_root = os.environ.get("CALCULET_SPOOL_DIR") or None
+        if spool_root:
+            Path(spool_root).mkdir(parents=True, exist_ok=True)
+        self.spool = Path(tempfile.mkdtemp(prefix="calculet-spool-", dir=spool_root))
         self.sink = PartSink(str(self.spool), self.name)
         timeout = float(target["timeout_s"])
         self.session = Session(
