@@ -9,6 +9,7 @@ Parquet records (which worker sent which request), `client/index.json`, `plan.js
 from __future__ import annotations
 
 import collections
+import json
 import subprocess
 import sys
 import time
@@ -22,25 +23,22 @@ import pytest
 from calculet_load.cellrun import Share, split
 from calculet_load.matrix import Cell
 from calculet_load.mixes import load_mix, single
-from tests.load.test_pipeline import (  # noqa: F401  (fixtures: accept_env, procs, signing_key)
+from tests.load.acceptkit import (
     CLI,
+    REPO,
     SMALL_MATRIX,
-    _accept,
-    _child_env,
-    _events,
-    _manifest,
-    _matrix,
-    _plan,
-    _records,
-    _relaxed_rules,
-    _sim,
-    accept_env,
-    procs,
-    signing_key,
+    accept_args,
+    accept_sim,
+    child_env,
+    read_events,
+    read_plan,
+    record_rows,
+    relaxed_rules,
+    write_manifest,
+    write_matrix,
 )
+from tests.load.locustproc import free_port
 from tests.simproc import SimProcess
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ the split (pure)
@@ -94,7 +92,7 @@ def test_a_share_crosses_the_wire_unchanged() -> None:
 # ------------------------------------------------------------------ end to end
 def _by_cell_worker(run_dir: Path) -> dict[str, collections.Counter[str]]:
     out: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for r in _records(run_dir):
+    for r in record_rows(run_dir):
         out[r["cell"]][r["worker"]] += 1
     return out
 
@@ -102,14 +100,14 @@ def _by_cell_worker(run_dir: Path) -> dict[str, collections.Counter[str]]:
 def test_local_workers_share_every_load_shape_and_the_index_lists_them(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
-    accept_env: Path,  # noqa: F811
-    procs: list[subprocess.Popen[Any]],  # noqa: F811
+    accept_env: Path,
+    procs: list[subprocess.Popen[Any]],
 ) -> None:
-    sim = _sim(start_sim)
+    sim = accept_sim(start_sim)
     run_dir = tmp_path / "run"
-    matrix = _matrix(tmp_path, SMALL_MATRIX)
-    args = _accept(_manifest(tmp_path, sim.url), matrix, run_dir, "--min-repetitions", "8")
-    args += ["--rules", str(_relaxed_rules(tmp_path)), "--workers", "2", "--skip-report"]
+    matrix = write_matrix(tmp_path, SMALL_MATRIX)
+    args = accept_args(write_manifest(tmp_path, sim.url), matrix, run_dir, "--min-repetitions", "8")
+    args += ["--rules", str(relaxed_rules(tmp_path)), "--workers", "2", "--skip-report"]
     p = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
@@ -128,7 +126,7 @@ def test_local_workers_share_every_load_shape_and_the_index_lists_them(
     closed = next(c for c in cells if c.startswith("c2-"))
     assert cells[closed] == {"w01": 4, "w02": 4}
 
-    index = __import__("json").loads((run_dir / "client" / "index.json").read_text())
+    index = json.loads((run_dir / "client" / "index.json").read_text())
     workers = {w["worker"]: w for w in index["workers"]}
     assert set(workers) == {"w00", "w01", "w02"}
     assert len({w["pid"] for w in workers.values()}) == 3  # three processes
@@ -136,7 +134,7 @@ def test_local_workers_share_every_load_shape_and_the_index_lists_them(
         assert workers[name]["parts"], name
         assert "clock_anchor" in workers[name]
         assert (run_dir / "client" / name / "worker.json").exists()
-    events = _events(run_dir)
+    events = read_events(run_dir)
     order = [e["step"] for e in events]
     assert order.index("workers") < order.index("golden_before") < order.index("matrix")
     cell_events = [e for e in events if e["step"] == "cell"]
@@ -145,6 +143,7 @@ def test_local_workers_share_every_load_shape_and_the_index_lists_them(
         assert e["device"]["temperature_c"] > 0 and e["device"]["throttled_chips"] >= 0, e
     port = next(e["port"] for e in events if e["step"] == "workers" and e["status"] == "start")
     assert _workers_on_port(port) == []  # the local workers ended with the run
+    assert list((run_dir / "logs" / "spool").iterdir()) == []  # every part was sent
 
 
 def _workers_on_port(port: int) -> list[int]:
@@ -160,19 +159,19 @@ def _workers_on_port(port: int) -> list[int]:
 def test_the_master_takes_workers_started_with_the_documented_locust_command(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
-    accept_env: Path,  # noqa: F811
-    procs: list[subprocess.Popen[Any]],  # noqa: F811
-    signing_key: Path,  # noqa: F811
+    accept_env: Path,
+    procs: list[subprocess.Popen[Any]],
+    signing_key: Path,
 ) -> None:
-    sim = _sim(start_sim)
+    sim = accept_sim(start_sim)
     run_dir = tmp_path / "run"
-    port = _free_port()
-    matrix = _matrix(tmp_path, SMALL_MATRIX[1:3])
-    args = _accept(_manifest(tmp_path, sim.url), matrix, run_dir, "--min-repetitions", "6")
-    args += ["--rules", str(_relaxed_rules(tmp_path)), "--skip-report", "--master"]
+    port = free_port()
+    matrix = write_matrix(tmp_path, SMALL_MATRIX[1:3])
+    args = accept_args(write_manifest(tmp_path, sim.url), matrix, run_dir, "--min-repetitions", "6")
+    args += ["--rules", str(relaxed_rules(tmp_path)), "--skip-report", "--master"]
     args += ["--expect-workers", "1", "--master-bind-host", "127.0.0.1"]
     args += ["--master-bind-port", str(port)]
-    env = _child_env(signing_key)
+    env = child_env(signing_key)
     master = subprocess.Popen(
         [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
     )
@@ -196,13 +195,15 @@ def test_the_master_takes_workers_started_with_the_documented_locust_command(
 def test_no_worker_connecting_is_an_infrastructure_stop(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
-    accept_env: Path,  # noqa: F811
+    accept_env: Path,
 ) -> None:
-    sim = _sim(start_sim)
+    sim = accept_sim(start_sim)
     run_dir = tmp_path / "run"
-    args = _accept(_manifest(tmp_path, sim.url), _matrix(tmp_path, SMALL_MATRIX[:1]), run_dir)
+    args = accept_args(
+        write_manifest(tmp_path, sim.url), write_matrix(tmp_path, SMALL_MATRIX[:1]), run_dir
+    )
     args += ["--master", "--master-bind-host", "127.0.0.1"]
-    args += ["--master-bind-port", str(_free_port()), "--workers-timeout-s", "2"]
+    args += ["--master-bind-port", str(free_port()), "--workers-timeout-s", "2"]
     p = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stdout[-2000:]
     assert "0 of 1 worker(s) connected within 2 s" in p.stdout
@@ -211,29 +212,29 @@ def test_no_worker_connecting_is_an_infrastructure_stop(
 def test_a_lost_worker_stops_the_run_and_a_resume_finishes_without_repeating_cells(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
-    accept_env: Path,  # noqa: F811
-    procs: list[subprocess.Popen[Any]],  # noqa: F811
-    signing_key: Path,  # noqa: F811
+    accept_env: Path,
+    procs: list[subprocess.Popen[Any]],
+    signing_key: Path,
 ) -> None:
-    sim = _sim(start_sim)
+    sim = accept_sim(start_sim)
     run_dir = tmp_path / "run"
     cells = [
         {"kind": "closed", "concurrency": 2, "prompt_tokens": 128, "max_tokens": 16,
          "name": f"c2-{i}"}
         for i in range(4)
     ]  # fmt: skip
-    manifest = _manifest(tmp_path, sim.url)
-    matrix = _matrix(tmp_path, cells)
-    base = _accept(manifest, matrix, run_dir, "--min-repetitions", "12", "--idle-gap-s", "1")
-    base += ["--rules", str(_relaxed_rules(tmp_path)), "--skip-report", "--workers", "2"]
-    env = _child_env(signing_key)
+    manifest = write_manifest(tmp_path, sim.url)
+    matrix = write_matrix(tmp_path, cells)
+    base = accept_args(manifest, matrix, run_dir, "--min-repetitions", "12", "--idle-gap-s", "1")
+    base += ["--rules", str(relaxed_rules(tmp_path)), "--skip-report", "--workers", "2"]
+    env = child_env(signing_key)
     first = subprocess.Popen(
         [*CLI, *base], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
     )
     procs.append(first)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and first.poll() is None:
-        plan = _plan(run_dir) if (run_dir / "plan.json").exists() else {"cells": []}
+        plan = read_plan(run_dir) if (run_dir / "plan.json").exists() else {"cells": []}
         if any(c["status"] == "done" for c in plan["cells"]):
             break
         time.sleep(0.2)
@@ -243,13 +244,15 @@ def test_a_lost_worker_stops_the_run_and_a_resume_finishes_without_repeating_cel
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 3, out[-3000:]
     assert "local worker process exited" in out
-    done_before = {c["name"] for c in _plan(run_dir)["cells"] if c["status"] == "done"}
+    spools = list((run_dir / "logs" / "spool").iterdir())
+    assert len(spools) == 1  # the killed worker's spool stays with the run
+    done_before = {c["name"] for c in read_plan(run_dir)["cells"] if c["status"] == "done"}
     assert done_before and len(done_before) < 4
 
     again = subprocess.run([*CLI, *base, "--resume"], capture_output=True, text=True, env=env,
                            timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:]
-    plan = _plan(run_dir)
+    plan = read_plan(run_dir)
     assert all(c["status"] == "done" for c in plan["cells"])
     by_cell = _by_cell_worker(run_dir)
     for name in done_before:  # finished cells were not sent again
@@ -259,11 +262,3 @@ def test_a_lost_worker_stops_the_run_and_a_resume_finishes_without_repeating_cel
         assert {"w01-r1", "w02-r1"} <= set(by_cell[name]), by_cell[name]
     cut = {e["cell"] for e in plan["excluded"]}
     assert cut <= resumed  # the cell cut by the lost worker is excluded, then run again
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -17,20 +17,18 @@ from typing import Any
 import yaml
 
 from analysis.sign import load_verify_key, verify
-from tests.load.test_pipeline import (  # noqa: F401  (fixtures: accept_env, signing_key)
+from tests.load.acceptkit import (
     CLI,
-    _accept,
-    _child_env,
-    _events,
-    _manifest,
-    _matrix,
-    _plan,
-    _records,
-    _relaxed_rules,
-    _sim,
-    _verdict,
-    accept_env,
-    signing_key,
+    accept_args,
+    accept_sim,
+    child_env,
+    read_events,
+    read_plan,
+    read_verdict,
+    record_rows,
+    relaxed_rules,
+    write_manifest,
+    write_matrix,
 )
 from tests.simproc import SimProcess
 
@@ -38,7 +36,7 @@ from tests.simproc import SimProcess
 def _cell_starts(run_dir: Path) -> dict[str, int]:
     return {
         e["cell"]: e["wall_ns"]
-        for e in _events(run_dir)
+        for e in read_events(run_dir)
         if e["step"] == "cell" and e["status"] == "start"
     }
 
@@ -46,40 +44,40 @@ def _cell_starts(run_dir: Path) -> dict[str, int]:
 def test_a_slower_interleaved_baseline_comparison_is_a_regression_exit_4(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
-    accept_env: Path,  # noqa: F811
-    signing_key: Path,  # noqa: F811
+    accept_env: Path,
+    signing_key: Path,
 ) -> None:
     scale = "0.5"  # decode steps long enough for a 30% slower one to stand out of the noise
-    base_sim = _sim(start_sim, scale=scale)
-    cand_sim = _sim(start_sim, "--set", "timing.decode_base_ms=15.6", scale=scale)  # 12 × 1.3
+    base_sim = accept_sim(start_sim, scale=scale)
+    cand_sim = accept_sim(start_sim, "--set", "timing.decode_base_ms=15.6", scale=scale)  # 12 × 1.3
     cells = [
         {"kind": "single", "prompt_tokens": 128, "max_tokens": 16},
         {"kind": "single", "prompt_tokens": 256, "max_tokens": 16},
     ]
     run_dir = tmp_path / "run"
-    manifest = _manifest(tmp_path, cand_sim.url, run_id="ab", warmup_requests=5)
-    args = _accept(manifest, _matrix(tmp_path, cells, reps=30), run_dir)
-    args += ["--rules", str(_relaxed_rules(tmp_path)), "--interleave-with", base_sim.url]
+    manifest = write_manifest(tmp_path, cand_sim.url, run_id="ab", warmup_requests=5)
+    args = accept_args(manifest, write_matrix(tmp_path, cells, reps=30), run_dir)
+    args += ["--rules", str(relaxed_rules(tmp_path)), "--interleave-with", base_sim.url]
     p = subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env=_child_env(signing_key), timeout=400
+        [*CLI, *args], capture_output=True, text=True, env=child_env(signing_key), timeout=400
     )
     assert p.returncode == 4, p.stdout[-3000:] + p.stderr[-2000:]
 
     baseline = run_dir / "baseline"
-    verdict = _verdict(run_dir)
+    verdict = read_verdict(run_dir)
     assert verdict["baseline"]["run_id"] == "ab-baseline"
     refactor = next(v for v in verdict["verdicts"] if v["rule"] == "refactor")
     assert refactor["status"] == "fail", refactor
     # both targets ran every §8 step; the baseline's folder is a complete run
     for folder in (run_dir, baseline):
-        steps = {e["step"] for e in _events(folder)}
+        steps = {e["step"] for e in read_events(folder)}
         assert {"release", "idle", "golden_before", "warmup", "golden_after"} <= steps, folder
         assert (folder / "client" / "index.json").exists()
         assert (folder / "server" / "steps.jsonl").exists()
     given = yaml.safe_load((baseline / "manifest.yaml").read_text())
     assert given["target"]["url"] == base_sim.url and given["run_id"] == "ab-baseline"
     # ABBA: the first cell of the plan ran candidate first, the second baseline first
-    cand_plan, base_plan = _plan(run_dir), _plan(baseline)
+    cand_plan, base_plan = read_plan(run_dir), read_plan(baseline)
     assert [c["name"] for c in cand_plan["cells"]] == [c["name"] for c in base_plan["cells"]]
     first, second = (c["name"] for c in cand_plan["cells"])
     cs, bs = _cell_starts(run_dir), _cell_starts(baseline)
@@ -97,29 +95,29 @@ def test_a_slower_interleaved_baseline_comparison_is_a_regression_exit_4(
 def test_interleaving_with_local_workers_sends_both_targets_from_the_workers(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
-    accept_env: Path,  # noqa: F811
-    signing_key: Path,  # noqa: F811
+    accept_env: Path,
+    signing_key: Path,
 ) -> None:
-    base_sim, cand_sim = _sim(start_sim), _sim(start_sim)
+    base_sim, cand_sim = accept_sim(start_sim), accept_sim(start_sim)
     cells: list[dict[str, Any]] = [
         {"kind": "closed", "concurrency": 2, "prompt_tokens": 128, "max_tokens": 16},
         {"kind": "burst", "size": 4, "rounds": 2, "prompt_tokens": 128, "max_tokens": 16},
     ]
     run_dir = tmp_path / "run"
-    manifest = _manifest(tmp_path, cand_sim.url, run_id="ab2")
+    manifest = write_manifest(tmp_path, cand_sim.url, run_id="ab2")
     # the baseline given as a manifest file (as for another build)
-    base_manifest = _manifest(tmp_path, base_sim.url, run_id="ab2-base")
-    args = _accept(manifest, _matrix(tmp_path, cells), run_dir, "--min-repetitions", "8")
-    args += ["--rules", str(_relaxed_rules(tmp_path)), "--skip-report", "--workers", "2"]
+    base_manifest = write_manifest(tmp_path, base_sim.url, run_id="ab2-base")
+    args = accept_args(manifest, write_matrix(tmp_path, cells), run_dir, "--min-repetitions", "8")
+    args += ["--rules", str(relaxed_rules(tmp_path)), "--skip-report", "--workers", "2"]
     args += ["--interleave-with", str(base_manifest)]
     p = subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env=_child_env(signing_key), timeout=400
+        [*CLI, *args], capture_output=True, text=True, env=child_env(signing_key), timeout=400
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert _verdict(run_dir)["baseline"]["run_id"] == "ab2-base"
+    assert read_verdict(run_dir)["baseline"]["run_id"] == "ab2-base"
     for folder in (run_dir, run_dir / "baseline"):
         senders: dict[str, set[str]] = collections.defaultdict(set)
-        for r in _records(folder):
+        for r in record_rows(folder):
             senders[r["cell"]].add(r["worker"])
         matrix_cells = [c for c in senders if not c.startswith(("golden", "warmup"))]
         assert len(matrix_cells) == 2, senders
