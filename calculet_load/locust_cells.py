@@ -394,7 +394,7 @@ def _on_go(environment: Environment, msg: Any, **_kw: Any) -> None:
     except Exception as exc:  # a bug, not the server's behaviour: reported, the run stops
         log.exception("%s: the share failed inside the client", agent.name)
         error = f"the share failed inside the client: {exc!r}"
-    agent.sink.flush()  # the step's records are closed parts before the step counts as done
+    agent.sink.flush_polling(gevent.sleep)  # the step's records are closed parts: it is done
     data = {"task": task, "worker": agent.name, "sent": sent, "parts": agent.new_parts(),
             "error": error}  # fmt: skip
     _reply(environment, "calculet_done", data)

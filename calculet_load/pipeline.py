@@ -555,7 +555,7 @@ class Pipeline:
         except FleetError as exc:  # the cell stays "running": a resume runs it again
             code = EXIT_INFRA if exc.infra else EXIT_INVALID
             raise Stop(code, f"{cell.name}: {exc}") from None
-        self.sink.flush()  # the cell's records are on disk before it counts as done
+        self.sink.flush_polling(gevent.sleep)  # the cell's records are on disk: it is done
         entry["status"], entry["requests"] = "done", sent
         entry["ended_wall_ns"] = time.time_ns()
         self._save_plan()

@@ -154,14 +154,33 @@ class PartSink:
         self.rotate()
         return self.wait_written(timeout_s)
 
+    def flush_polling(self, sleep: Callable[[float], None], timeout_s: float = 30.0) -> bool:
+        """`flush()` for an event loop: waits by polling, with `sleep` (gevent.sleep)
+        between polls, so the loop's other greenlets (the self-watch among them) run
+        meanwhile instead of seeing the loop stalled for the whole write."""
+        self.rotate()
+        if self._closed:
+            return True
+        done = self._written_marker()
+        deadline = time.monotonic() + timeout_s
+        while not done.acquire(False):
+            if time.monotonic() > deadline:
+                return False
+            sleep(0.002)
+        return True
+
     def wait_written(self, timeout_s: float = 30.0) -> bool:
         """Wait until the parts handed over so far are on disk; the open part stays open."""
         if self._closed:
             return True
+        return bool(self._written_marker().acquire(timeout=timeout_s))
+
+    def _written_marker(self) -> Any:
+        """A held lock the writer releases once it has written what was queued before it."""
         done = _original("_thread", "allocate_lock")()
         done.acquire()
         self._queue.put(done)
-        return bool(done.acquire(timeout=timeout_s))
+        return done
 
     # --- the writer thread ------------------------------------------------------------
     def _writer_main(self) -> None:

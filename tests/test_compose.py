@@ -219,21 +219,31 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     ps.stop()
 
 
-def test_the_compose_commands_run_a_distributed_run(tmp_path: Path, procs: Procs) -> None:
-    # /app as the image lays it out: the repo's files, and an empty runs/ (the volume)
-    app = tmp_path / "app"
+def _app(tmp: Path) -> Path:
+    """/app as the image lays it out: the repo's files, and an empty runs/ (the volume)."""
+    app = tmp / "app"
     app.mkdir()
     for name in ("locustfiles", "configs"):
         (app / name).symlink_to(REPO / name)
     (app / "runs").mkdir()
+    return app
 
+
+def _start_sim(procs: Procs, app: Path, *extra: str) -> tuple[list[str], str]:
+    """The sim service's command on loopback (port 0): (the command, its URL)."""
     sim_cmd = _local(SERVICES["sim"]["command"], app, {"--host": "127.0.0.1", "--port": "0"}, [])
-    sim = procs.start("sim", sim_cmd, app, stdout=subprocess.PIPE)
+    sim = procs.start("sim", [*sim_cmd, *extra], app, stdout=subprocess.PIPE)
     assert sim.stdout is not None
     ready, _, _ = select.select([sim.stdout], [], [], 30)
     line = sim.stdout.readline().decode() if ready else ""
     assert "listening on http://" in line, f"{line!r}\n{procs.logs()}"
-    sim_url = line.split()[-1]
+    return sim_cmd, line.split()[-1]
+
+
+def test_the_compose_commands_run_a_distributed_run(tmp_path: Path, procs: Procs) -> None:
+    app = _app(tmp_path)
+    sim_cmd, sim_url = _start_sim(procs, app)
+    sim = procs.procs["sim"]
 
     # the compose healthcheck, pointed at this simulator
     health = SERVICES["sim"]["healthcheck"]["test"]
@@ -325,17 +335,8 @@ def test_the_accept_profile_is_the_pipeline_as_master_of_worker_containers() -> 
 def test_the_accept_profile_commands_run_a_distributed_acceptance(
     tmp_path: Path, procs: Procs
 ) -> None:
-    app = tmp_path / "app"
-    app.mkdir()
-    for name in ("locustfiles", "configs"):
-        (app / name).symlink_to(REPO / name)
-    (app / "runs").mkdir()
-    sim_cmd = _local(SERVICES["sim"]["command"], app, {"--host": "127.0.0.1", "--port": "0"}, [])
-    sim = procs.start("sim", [*sim_cmd, "--time-scale", "0.02"], app, stdout=subprocess.PIPE)
-    assert sim.stdout is not None
-    ready, _, _ = select.select([sim.stdout], [], [], 30)
-    line = sim.stdout.readline().decode() if ready else ""
-    assert "listening on http://" in line, f"{line!r}\n{procs.logs()}"
+    app = _app(tmp_path)
+    _, sim_url = _start_sim(procs, app, "--time-scale", "0.02")
 
     rules = yaml.safe_load((REPO / "configs" / "acceptance" / "default.yaml").read_text())
     rules["infrastructure"]["max_saturated_fraction"] = None  # this shared machine's load
@@ -345,7 +346,7 @@ def test_the_accept_profile_commands_run_a_distributed_acceptance(
     accept_cmd = _local(
         ACCEPT["accept"]["command"],
         app,
-        {"--url": line.split()[-1], "--master-bind-host": "127.0.0.1", "--master-bind-port": port,
+        {"--url": sim_url, "--master-bind-host": "127.0.0.1", "--master-bind-port": port,
          "--idle-window-s": "1"},
         ["--min-repetitions", "3", "--rules", str(tmp_path / "rules.yaml"), "--skip-report"],
     )  # fmt: skip
