@@ -97,6 +97,43 @@ def test_writes_happen_on_a_native_thread_not_the_caller(
     assert seen and threading.get_ident() not in seen
 
 
+def test_flush_polling_lets_the_event_loop_run_while_the_writer_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cell's end flushes the sink: waiting must not stall the loop (the self-watch
+    would count the stall as client saturation)."""
+    import time
+
+    import gevent
+
+    real = pq.write_table
+
+    def slow(*args: object, **kw: object) -> None:
+        time.sleep(0.05)  # on the writer thread
+        real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sink.pq, "write_table", slow)
+    s = PartSink(str(tmp_path), "w1", rotate_s=1e9)
+    for i in range(5):
+        s.add(rec(i), tokens(i))
+    ticks: list[float] = []
+
+    def ticker() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            gevent.sleep(0.005)
+
+    g = gevent.spawn(ticker)
+    gevent.sleep(0)
+    before = len(ticks)
+    assert gevent.spawn(s.flush_polling, gevent.sleep).get(timeout=10) is True
+    during = len(ticks) - before
+    g.kill()
+    assert during >= 3, during  # the loop ran while the parts (>= 100 ms) were written
+    assert len(part_files(str(tmp_path), "requests")) == 1  # and the part is on disk
+    s.close()
+
+
 def test_no_partial_part_is_ever_visible_and_tmp_files_are_ignored(tmp_path: Path) -> None:
     s = PartSink(str(tmp_path), "w1", rotate_rows=2)
     for i in range(4):
