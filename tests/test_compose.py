@@ -332,6 +332,7 @@ def test_the_accept_profile_is_the_pipeline_as_master_of_worker_containers() -> 
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), flag
 
 
+@pytest.mark.slow  # the same commands as test_accept_distributed's --master test
 def test_the_accept_profile_commands_run_a_distributed_acceptance(
     tmp_path: Path, procs: Procs
 ) -> None:

@@ -352,6 +352,7 @@ def test_the_scheduled_command_runs_a_stage_and_keeps_reports(
     assert proc.returncode == 0 and len(list(runs.glob("soak-dev-2*"))) == 2  # nothing done
 
 
+@pytest.mark.slow  # test_soak checks the resume itself; this, the script's path to it
 def test_the_scheduled_command_resumes_a_killed_soak(start_sim: StartSim, tmp_path: Path) -> None:
     """The soak process of a scheduled run is killed mid-stage (as by the OOM killer):
     the script keeps the run unfinished; `run-soak.sh --resume-only dev` (what the boot

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from analysis.sign import load_verify_key, verify
@@ -92,6 +93,7 @@ def test_a_slower_interleaved_baseline_comparison_is_a_regression_exit_4(
     assert [m.name for m in verify(str(run_dir), key).modified] == ["baseline/client/index.json"]
 
 
+@pytest.mark.slow  # a combination of two tested parts; `scripts/test --slow` runs it
 def test_interleaving_with_local_workers_sends_both_targets_from_the_workers(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],

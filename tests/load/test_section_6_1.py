@@ -76,7 +76,11 @@ def _edge_matrix(tmp: Path) -> Path:
     return write_matrix(tmp, cells, name="edge", reps=5)
 
 
-@pytest.mark.parametrize("overflow", ["reject", "truncate"])
+@pytest.mark.parametrize(
+    "overflow",
+    # the truncating target's FAIL path is also covered by tests/analysis/test_boundary.py
+    ["reject", pytest.param("truncate", marks=pytest.mark.slow)],
+)
 def test_the_boundary_case_is_judged_by_the_overflow_policy(
     overflow: str,
     tmp_path: Path,

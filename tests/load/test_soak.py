@@ -271,6 +271,7 @@ def test_killed_soak_resumes_to_its_planned_end_and_records_the_gap(
     assert code == 2 and "finished already" in out
 
 
+@pytest.mark.slow  # the kill-and-resume test above covers the resume; this, SIGTERM
 def test_sigterm_flushes_and_leaves_a_resumable_state(start_sim: StartSim, tmp_path: Path) -> None:
     """SIGTERM mid-stage: exit 143, every record of the process on disk (nothing lost),
     state `interrupted`; --resume finishes the stage with a gap marked as a clean stop."""
