@@ -169,8 +169,8 @@ class CellRunner:
             self.prompt(entry.prompt_tokens, sample)
 
     def run(self, share: Share) -> int:
-        """Send the share (in this greenlet; blocks until its requests have ended)."""
-        self.prepare(share)
+        """Send the share (in this greenlet; blocks until its requests have ended).
+        Call `prepare(share)` first: building a prompt inside the schedule is late."""
         chooser = share.mix.chooser(share.seed)
         kind = share.cell.kind
         if kind in ("single", "boundary"):

@@ -19,7 +19,7 @@ repeated; the records of a cell that was cut are kept and excluded with their re
 The matrix's cells are split into shares (calculet_load.cellrun) sent from this process
 on its own gevent loop, or with `--workers N`/`--master` by Locust workers with this
 process as their master (calculet_load.locust_cells). `--interleave-with TARGET` runs a
-baseline target's cells between the candidate's (`Interleaved`).
+baseline target's cells between the candidate's (calculet_load.interleave).
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 
@@ -62,6 +61,9 @@ from calculet_load.selfwatch import SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.sink import PartSink
 from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_tokenizer
+
+if TYPE_CHECKING:
+    from calculet_load.interleave import Interleaved
 
 PLAN_SCHEMA = "calculet-plan/v1"
 EXIT_OK, EXIT_FAIL, EXIT_INVALID, EXIT_INFRA, EXIT_REGRESSION = 0, 1, 2, 3, 4
@@ -716,95 +718,6 @@ class Pipeline:
         return self.prompts[key]
 
 
-class Interleaved:
-    """`--interleave-with TARGET`: the baseline's cells between the candidate's, in one run.
-
-    Both targets get every step of §8 (release, idle, golden, warmup; golden after,
-    resources, traces). The matrix runs in the one seeded order, each cell once on each
-    target, alternating which goes first (ABBA: cell 1 candidate then baseline, cell 2
-    baseline then candidate, …) so that neither build always meets the device or the
-    client in the state the other left. The baseline is a complete run folder inside the
-    candidate's (`baseline/`); the analysis compares the two and the candidate's bundle
-    signs both.
-    """
-
-    def __init__(self, cand: Pipeline, base: Pipeline) -> None:
-        self.cand, self.base = cand, base
-        cand.label, base.label = " (candidate)", " (baseline)"
-        cand.o.baseline_run = str(base.run_dir)
-        base.o.workers, base.o.master = 0, False  # the candidate's workers send for both
-
-    def _each(self, fn: Callable[[Pipeline], Any]) -> None:
-        for p in (self.cand, self.base):
-            try:
-                fn(p)
-            except Stop as stop:
-                raise Stop(stop.code, f"{p.label.strip(' ()')}: {stop}") from None
-
-    def run(self) -> int:
-        cand, base = self.cand, self.base
-        resumed = {id(cand): cand.open(), id(base): base.open()}
-        try:
-            self._each(lambda p: p.before_matrix(resumed[id(p)]))
-            if cand.fleet is not None:
-                base.fleet, base.clients, base.owns_fleet = cand.fleet, cand.fleet, False
-            self._matrix()
-            self._each(lambda p: p.after_matrix() if p is cand else p.golden_and_resources())
-        except Stop as stop:
-            for p in (base, cand):
-                p.stopped(stop)
-        finally:
-            base.close()  # first: it ends its run on the shared workers
-            cand.close()
-        if cand.code in (EXIT_OK, EXIT_FAIL):
-            base.log.write("traces", "start")
-            base._write_index()
-            base._collect_traces()
-        base.log.write("run", "end", code=cand.code)
-        return cand.end()
-
-    def _matrix(self) -> None:
-        cand, base = self.cand, self.base
-        names = [e["name"] for e in cand.plan["cells"]]
-        if [e["name"] for e in base.plan["cells"]] != names:
-            raise Stop(EXIT_INVALID, "interleave: the baseline's plan has another cell order")
-        todo: dict[int, dict[str, dict[str, Any]]] = {}
-        for p in (cand, base):
-            todo[id(p)] = {e["name"]: e for e in p.matrix_start()}
-        cand.plan["interleaved_with"] = {"run_dir": str(base.run_dir), "url": base.url}
-        for n, name in enumerate(names):
-            first_second = (cand, base) if n % 2 == 0 else (base, cand)
-            for p in first_second:
-                entry = todo[id(p)].get(name)
-                if entry is not None:
-                    entry["interleave_position"] = first_second.index(p)
-                    try:
-                        p.run_entry(entry, f"{n + 1}/{len(names)}")
-                    except Stop as stop:
-                        raise Stop(stop.code, f"{p.label.strip(' ()')}: {stop}") from None
-        for p in (cand, base):
-            p.log.write("matrix", "end")
-
-
-def interleave_manifest(cand_manifest: str, target: str, folder: Path) -> str:
-    """The baseline's manifest: TARGET itself when it is a manifest file; for a URL, the
-    candidate's manifest with that target and the run id suffixed `-baseline` (its release
-    check then expects the candidate's model hashes: give a manifest for another build)."""
-    if Path(target).is_file():
-        return target
-    if not target.startswith(("http://", "https://")):
-        raise Stop(EXIT_INVALID, f"--interleave-with: {target!r} is neither a file nor a URL")
-    import yaml
-
-    doc = yaml.safe_load(Path(cand_manifest).read_text())
-    doc["run_id"] = f"{doc['run_id']}-baseline"
-    doc.setdefault("target", {})["url"] = target
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "manifest.given.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return str(path)
-
-
 def _release_batch(matrix: Matrix, manifest: RunManifest, state: Any) -> dict[str, Any] | None:
     """Spec §7 at release: a batch matrix (`compiled_batch: B`) needs the vendor's
     statement of how lanes that are not filled are handled (manifest `batch`) for the same
@@ -1003,6 +916,8 @@ def run(args: argparse.Namespace) -> int:
         pipeline = Pipeline(opts)
         runner: Pipeline | Interleaved = pipeline
         if args.interleave_with:
+            from calculet_load.interleave import Interleaved, interleave_manifest
+
             folder = pipeline.run_dir / "baseline"
             manifest = interleave_manifest(opts.manifest, args.interleave_with, folder)
             base_opts = dataclasses.replace(
