@@ -30,6 +30,7 @@ from analysis.load import TokenParts
 from analysis.quality import Partition, Reason
 from analysis.stats import CellStats, summarize, window_tokens
 from analysis.tokens import EventSums, SteadyWindows, reduce_events
+from calculet_load.schema.clocks import to_reference_ns
 
 __all__ = [
     "CELL_FIELDS",
@@ -236,7 +237,7 @@ def _with_client_wall(table: pa.Table, offsets: Mapping[str, int]) -> pa.Table:
     for w, off in offsets.items():
         offset[workers == w] = off
     return table.append_column(
-        "join.client_wall_start_ns", pa.array(anchor - offset, type=pa.int64())
+        "join.client_wall_start_ns", pa.array(to_reference_ns(anchor, offset), type=pa.int64())
     ).append_column("join.client_span_ns", pa.array(end - t0, type=pa.int64()))
 
 

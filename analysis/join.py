@@ -31,7 +31,8 @@ last row at or before its start (as-of, within 2.5 sampling intervals) and
 `device.throttled` is true if any row from that one to its end throttled;
 `quality.throttled` becomes the record's flag OR that. Request times are on the
 server's wall clock: the `accepted` event's when joined, else the client's wall anchor
-with both hosts' recorded NTP offsets applied (wall − offset).
+with both hosts' recorded NTP offsets applied (calculet_load.schema.clocks: onto the NTP
+reference with the client's offset, then onto the server's clock with the server's).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.load import RunData
+from calculet_load.schema.clocks import from_reference_ns, to_reference_ns
 
 __all__ = ["JOIN_COLUMNS", "device_extremes", "join_run", "positions"]
 
@@ -221,7 +223,7 @@ def _client_wall(run: RunData) -> tuple[IntArray, IntArray, BoolArray]:
         workers = d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False)
         for w, off in run.client_offsets_ns.items():
             offset[np.asarray(workers) == w] = off
-    start = anchor - offset + run.server_offset_ns
+    start = from_reference_ns(to_reference_ns(anchor, offset), run.server_offset_ns)
     return start, start + np.where(t0_ok, end - t0, 0), anchor_ok
 
 

@@ -443,7 +443,8 @@ def _read_breaks(fs: pafs.FileSystem, root: str) -> list[NetworkBreak]:
 
 
 def _offsets(index: dict[str, Any] | None, fs: pafs.FileSystem, root: str) -> tuple[Any, int]:
-    """Host clock offsets (wall − reference, ns) where the run recorded them."""
+    """Host NTP offsets where the run recorded them: reference − wall, ns
+    (calculet_load.schema.clocks; reference ≈ wall + offset)."""
     client: dict[str, int] = {}
     for w in (index or {}).get("workers") or []:
         if isinstance(w, dict) and isinstance(w.get("ntp_offset_ns"), int):

@@ -190,7 +190,8 @@ def test_no_records_is_an_artifact_error(tmp_path: Path) -> None:
 def test_host_offsets_move_client_wall_times(tmp_path: Path) -> None:
     b = RunBuilder(tmp_path).add(request("a", t0=2_000 * MS)).complete_index()
     assert b.index is not None
-    b.index["workers"][0]["ntp_offset_ns"] = 700 * MS  # this host's wall clock runs 0.7 s fast
+    # this host's wall clock runs 0.7 s fast: reference − local = −0.7 s (schema.clocks)
+    b.index["workers"][0]["ntp_offset_ns"] = -700 * MS
     b.trace("device", [device_row(1_000 * MS, (30.0,)), device_row(1_500 * MS, (60.0,))])
     run_dir = b.write()
     (tmp_path / "server" / "clock.json").write_text(json.dumps({"ntp_offset_ns": 0}))
