@@ -6,19 +6,9 @@ exits with the error's code, without a traceback.
 
 from __future__ import annotations
 
-from enum import IntEnum
+from calculet_load.errors import ExitCode
 
 __all__ = ["AnalysisError", "ArtifactError", "ExitCode", "RulesError"]
-
-
-class ExitCode(IntEnum):
-    """Spec §15. Precedence when several apply: 2, then 3, then 1, then 4 (see docs)."""
-
-    PASS = 0
-    CORRECTNESS = 1
-    INVALID_ARTIFACT = 2
-    INFRASTRUCTURE = 3
-    REGRESSION = 4
 
 
 class AnalysisError(Exception):

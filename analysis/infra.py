@@ -67,15 +67,23 @@ def _index(ev: Evidence, rules: InfrastructureRules, rid: str) -> RuleVerdict:
         )
     workers = [w for w in index.get("workers") or [] if isinstance(w, dict)]
     missing = [str(w.get("worker")) for w in workers if w.get("status") == "missing"]
-    lost = [
-        f"{w.get('worker')}: {e}" for w in workers for e in (w.get("sink") or {}).get("errors", [])
-    ]
+    sinks = [(str(w.get("worker")), w.get("sink") or {}) for w in workers]
+    lost = [f"{name}: {e}" for name, sink in sinks for e in sink.get("errors", [])]
+    quarantined = sum(int(sink.get("quarantined") or 0) for _, sink in sinks)
+    unwritten = sum(int(sink.get("lost") or 0) for _, sink in sinks)
     status = str(index.get("status"))
     problems = []
     if status != "complete":
         problems.append(f"status is {status!r}")
     if missing:
         problems.append(f"worker(s) missing: {', '.join(missing)}")
+    if quarantined or unwritten:
+        files = [f"{name}/{f}" for name, sink in sinks for f in sink.get("quarantine_files", [])]
+        problems.append(
+            f"{quarantined + unwritten} row(s) not in the Parquet parts "
+            f"({quarantined} quarantined in client/{', client/'.join(files) or '-'}, "
+            f"{unwritten} lost)"
+        )
     if lost:
         problems.append(f"sink errors: {'; '.join(lost[:3])}")
     details = tuple({"worker": w.get("worker"), "status": w.get("status")} for w in workers)

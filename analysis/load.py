@@ -47,6 +47,7 @@ from calculet_load.schema.arrow import (
     token_event_schema,
 )
 from calculet_load.schema.records import (
+    ADDED_REQUEST_COLUMNS,
     REQUEST_SCHEMA,
     TOKEN_EVENT_SCHEMA,
     SchemaVersionError,
@@ -244,7 +245,7 @@ def _check_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) ->
         check_table_schema(found, name)
     except SchemaVersionError as exc:
         raise ArtifactError(f"{path}: {exc}") from None
-    missing = [n for n in schema.names if n not in found.names]
+    missing = [n for n in schema.names if n not in found.names and n not in _ADDED.get(name, ())]
     if missing:
         raise ArtifactError(f"{path}: column {missing[0]!r} missing from a {name} part")
 
@@ -254,15 +255,33 @@ def _read_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) -> 
     dictionary-encoded from the Parquet pages, never materialized as strings."""
     encoded = [f.name for f in schema if pa.types.is_dictionary(f.type)]
     try:
+        present = set(pq.read_schema(path, filesystem=fs).names)
         t = pq.read_table(
-            path, columns=schema.names, filesystem=fs, read_dictionary=encoded or None
+            path,
+            columns=[n for n in schema.names if n in present],
+            filesystem=fs,
+            read_dictionary=encoded or None,
         )
     except (OSError, pa.ArrowException) as exc:
         raise ArtifactError(f"{path}: unreadable Parquet part: {exc}") from None
+    t = _upgrade(t, name, schema)
     try:
         return t.select(schema.names).cast(schema)
     except (pa.ArrowException, ValueError) as exc:
         raise ArtifactError(f"{path}: column types differ from {name}: {exc}") from None
+
+
+# Optional columns added to a table's v1 after its first release: absent in older parts.
+_ADDED: dict[str, tuple[str, ...]] = {REQUEST_SCHEMA: ADDED_REQUEST_COLUMNS}
+
+
+def _upgrade(table: pa.Table, name: str, schema: pa.Schema) -> pa.Table:
+    """An older v1 part's table with the columns added since filled with nulls."""
+    for column in _ADDED.get(name, ()):
+        if column in schema.names and column not in table.column_names:
+            field = schema.field(column)
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table
 
 
 def _read_parts(fs: pafs.FileSystem, paths: list[str], name: str, schema: pa.Schema) -> pa.Table:

@@ -23,7 +23,14 @@ import gevent.socket as gsocket
 import h11
 
 from calculet_load.clock import Clock, SystemClock
-from calculet_load.protocols import Adapter, CountState, EventInfo, ProtocolError
+from calculet_load.protocols import (
+    Adapter,
+    CountState,
+    EventInfo,
+    ProtocolError,
+    raw_text,
+    safe_text,
+)
 from calculet_load.schema.records import ClientNs, TokenEvent
 from calculet_load.sse import SSELineTooLong, SSEParser
 
@@ -46,10 +53,20 @@ ERROR_CLASSES: dict[str, str] = {
     "truncated_stream": "the stream ended before the protocol's end marker",
     "protocol_violation": "the response breaks the target protocol",
     "nonfinite_number": "a numeric field is NaN or Infinity",
+    "value_out_of_range": "a count is negative or beyond int64 (the raw value is kept as text)",
+    "content_encoding": "the response has a Content-Encoding the client did not ask for",
     "cancelled": "the client cancelled the request on purpose",
     "pool_exhausted": "no connection free under the connection cap",
     "dropped": "an open-loop arrival found the in-flight cap full and was not sent",
 }
+
+# Generated tokens may exceed the request's max_tokens by this many before the count is
+# flagged (token_count_mismatch with a count_anomaly): none, as OpenAI and llama.cpp
+# define max_tokens/n_predict as a hard cap. A session may declare another.
+OUTPUT_SLACK_TOKENS = 0
+ERROR_DETAIL_CHARS = 500
+ERROR_CODE_CHARS = 100
+FINISH_REASON_CHARS = 64
 
 T = TypeVar("T")
 CancelAt = Literal["before_headers", "first_token"] | int | None
@@ -183,6 +200,8 @@ class Outcome:
     connection_reused: bool | None = None
     cancelled_at: str | None = None
     nonfinite: bool = False
+    invalid_value: str | None = None  # the offending raw value of a failure, bounded text
+    count_anomaly: str | None = None  # why the token count is not to be believed as is
 
     @property
     def ok(self) -> bool:
@@ -190,13 +209,17 @@ class Outcome:
 
     @property
     def token_count_mismatch(self) -> bool:
+        if self.count_anomaly is not None:
+            return True
         return self.server_total is not None and self.server_total != self.output_tokens
 
 
 class _Fail(Exception):
-    def __init__(self, error_class: str, detail: str, code: str | None = None) -> None:
+    def __init__(
+        self, error_class: str, detail: str, code: str | None = None, raw: str | None = None
+    ) -> None:
         super().__init__(detail)
-        self.error_class, self.detail, self.code = error_class, detail, code
+        self.error_class, self.detail, self.code, self.raw = error_class, detail, code, raw
 
 
 class _Run:
@@ -238,7 +261,7 @@ class _Run:
             try:
                 info = self.adapter.event(ev.data, self.count)
             except ProtocolError as exc:
-                raise _Fail(exc.error_class, str(exc)) from None
+                raise _Fail(exc.error_class, str(exc), raw=exc.raw) from None
             self._account(info, t)
             if info.error is not None:
                 raise _Fail("server_error_event", info.error, info.error_type)
@@ -258,6 +281,8 @@ class _Run:
             self.t["t3"] = t
         if info.nonfinite:
             out.nonfinite = True
+        if info.count_anomaly is not None and out.count_anomaly is None:
+            out.count_anomaly = f"event {index}: {info.count_anomaly}"
         if info.text:
             # surrogatepass: a JSON escape such as "\ud800" decodes to a lone surrogate,
             # which plain .encode() refuses (it would raise out of execute).
@@ -272,7 +297,7 @@ class _Run:
             if self.on_token is not None:
                 self.on_token(ev)
         if info.finish_reason:
-            out.finish_reason = info.finish_reason
+            out.finish_reason = safe_text(info.finish_reason[:FINISH_REASON_CHARS])
         if info.final_total is not None:
             out.server_total = info.final_total
         if info.prompt_tokens is not None:
@@ -296,11 +321,15 @@ def execute(
     cancel: CancelAt = None,
     extra_headers: dict[str, str] | None = None,
     on_token: Callable[[TokenEvent], None] | None = None,
+    max_tokens: int | None = None,
+    output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
 ) -> Outcome:
     """Run one request and return its outcome; never raises for a server's behaviour.
 
     `on_token` is called for each event that carries generated tokens, right after it is
-    counted (on the reading greenlet: it must be cheap)."""
+    counted (on the reading greenlet: it must be cheap). With `max_tokens`, an output
+    (the client's count or the server's total) above it plus `output_slack_tokens` is
+    flagged as a count anomaly."""
     clock = clock or SystemClock()
     out = Outcome(request_id)
     run = _Run(adapter, out, clock, stream, on_token)
@@ -311,6 +340,9 @@ def execute(
         ("Accept", "text/event-stream" if stream else "application/json"),
         ("Content-Length", str(len(payload))),
         ("X-Request-Id", request_id),
+        # Bytes are stamped as they arrive and parsed as SSE: a compressed body would be
+        # neither, so it is asked for in the clear (and refused if it comes otherwise).
+        ("Accept-Encoding", "identity"),
         *(extra_headers or {}).items(),
     ]
     conn = h11.Connection(h11.CLIENT)
@@ -346,8 +378,10 @@ def execute(
             raise _Fail("cancelled", "cancelled after the request was sent, before headers")
         reusable = _read(sock, conn, run, ns, timeouts, deadline, cancel)
     except _Fail as f:
-        out.error_class, out.error_detail = f.error_class, f.detail[:500]
-        out.error_code = f.code or f.error_class
+        out.error_class = f.error_class
+        out.error_detail = safe_text(f.detail[:ERROR_DETAIL_CHARS])
+        out.error_code = safe_text((f.code or f.error_class)[:ERROR_CODE_CHARS])
+        out.invalid_value = f.raw
         if f.error_class == "cancelled" and out.cancelled_at is None:
             out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
     except gevent.GreenletExit as exc:
@@ -370,6 +404,13 @@ def execute(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
+    if max_tokens is not None and out.count_anomaly is None:
+        top = max(out.output_tokens, out.server_total or 0)
+        if top > max_tokens + output_slack_tokens:
+            out.count_anomaly = (
+                f"output {top} tokens above the requested max {max_tokens}"
+                f" (+{output_slack_tokens} slack)"
+            )
     if killed is not None:
         killed.outcome = out  # Session.send records it
         raise killed
@@ -437,9 +478,17 @@ def _read(
         if isinstance(event, h11.Response):
             ns["t2"] = t
             status = out.http_status = event.status_code
-            ctype = dict(event.headers).get(b"content-type", b"").decode("latin-1")
+            ctype = _header(event.headers, b"content-type") or ""
             # media types are case-insensitive (RFC 9110 §8.3.1)
             is_sse = ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
+            encoding = _header(event.headers, b"content-encoding")
+            if encoding and encoding.strip().lower() != "identity" and 200 <= status < 300:
+                raise _Fail(
+                    "content_encoding",
+                    f"Content-Encoding {encoding!r} not requested (the client sent "
+                    "Accept-Encoding: identity); the body cannot be read as sent",
+                    raw=raw_text(encoding),
+                )
             if 200 <= status < 300 and run.stream and not is_sse:
                 raise _Fail("protocol_violation", f"stream requested, got content type {ctype!r}")
         elif isinstance(event, h11.InformationalResponse):
@@ -476,7 +525,7 @@ def _finish(run: _Run, status: int, t_end: int) -> None:
         try:
             info = run.adapter.whole(bytes(run.body))
         except ProtocolError as exc:
-            raise _Fail(exc.error_class, str(exc)) from None
+            raise _Fail(exc.error_class, str(exc), raw=exc.raw) from None
         # A whole response: every token arrives with the last byte, so there is a first
         # event and a first token at t6, but no decode interval (TPOT is undefined).
         run.count.source = info.count_source
@@ -486,6 +535,14 @@ def _finish(run: _Run, status: int, t_end: int) -> None:
             raise _Fail("server_error_event", info.error, info.error_type)
     if run.out.nonfinite:
         raise _Fail("nonfinite_number", "a numeric field is NaN or Infinity")
+
+
+def _header(headers: Any, name: bytes) -> str | None:
+    """One response header's value (h11 gives lower-case names), or None."""
+    for key, value in headers:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
 
 
 def _error_body(body: bytes) -> tuple[str | None, str]:

@@ -252,7 +252,7 @@ class Fleet:
         folder = run_dir / "client" / worker
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in parts.items():
-            if "/" in name or not name.startswith("part-"):
+            if "/" in name or not name.startswith(("part-", "quarantine-")):
                 raise FleetError(f"{worker} sent a part with a bad name: {name!r}")
             tmp = folder / f".{name}.tmp"
             tmp.write_bytes(data)
@@ -331,7 +331,9 @@ class Agent:
         """Closed parts not sent to the master yet, by file name."""
         folder = self.spool / "client" / self.name
         out = {}
-        for path in sorted(folder.glob("part-*.parquet")):
+        # quarantine files: rows the sink could not put into a part travel with the parts
+        files = [*folder.glob("part-*.parquet"), *folder.glob("quarantine-*.jsonl")]
+        for path in sorted(files):
             if path.name not in self.shipped:
                 out[path.name] = path.read_bytes()
                 self.shipped.add(path.name)

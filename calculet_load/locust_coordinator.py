@@ -21,6 +21,7 @@ from locust.runners import MasterRunner
 from calculet_load.livestats import LiveStats
 from calculet_load.locust_worker import OPEN_LOOP, Plan, Worker, _run_id, options
 from calculet_load.scrape import ServerSampler, sampler_for_run
+from calculet_load.sink import resolve_fs, sink_status
 
 log = logging.getLogger("calculet_load")
 
@@ -235,6 +236,11 @@ class Coordinator:
             if rep is not None:
                 entry.update(rep)
                 entry["status"] = "reported"
+                sink_problem = sink_status(rep.get("sink"))
+                if sink_problem is not None:  # rows not in the parts: the run says so
+                    entry["status"] = "incomplete"
+                    entry["sink_problem"] = sink_problem
+                    incomplete = True
             elif status == "complete":
                 entry.setdefault("status", "missing")
                 entry["status"] = "missing" if entry["status"] != "reported" else "reported"
@@ -280,8 +286,6 @@ def _options_snapshot(opts: Any) -> dict[str, Any]:
 
 
 def _write_json(run_dir: str, rel: str, obj: Any) -> None:
-    from calculet_load.sink import resolve_fs
-
     fs, root = resolve_fs(run_dir)
     path = f"{root.rstrip('/')}/{rel}"
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)

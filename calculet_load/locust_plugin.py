@@ -47,6 +47,7 @@ from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
 from calculet_load.arrivals import ArrivalError, load_replay, unit_gaps
+from calculet_load.errors import ExitCode
 from calculet_load.livestats import LiveStats
 from calculet_load.locust_coordinator import Coordinator
 from calculet_load.locust_worker import (
@@ -60,6 +61,7 @@ from calculet_load.locust_worker import (
 )
 from calculet_load.mixes import MixError
 from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.sink import sink_status
 from calculet_load.workload import WorkloadError
 
 log = logging.getLogger("calculet_load")
@@ -243,6 +245,10 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
         STATE.worker = None
         w.stop(timeout_s=max(environment.stop_timeout or 0.0, 10.0))
         report = w.report()
+        problem = sink_status(report.get("sink"))
+        if problem is not None:
+            log.error("calculet worker %s: not every record is in its parts: %s", w.name, problem)
+            environment.process_exit_code = int(ExitCode.INFRASTRUCTURE)
         if isinstance(runner, WorkerRunner):
             runner.send_message("calculet_parts", report)
         elif STATE.master is not None:
@@ -261,11 +267,20 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
             gevent.sleep(0.2)
     index = master.write_index("complete")
     if index is not None and index["status"] != "complete":
-        log.warning(
-            "calculet run %s is incomplete: see %s/client/index.json",
+        problems = [
+            f"{w['worker']}: {w.get('sink_problem') or w.get('status')}"
+            for w in index["workers"]
+            if w.get("status") != "reported"
+        ]
+        log.error(
+            "calculet run %s is INCOMPLETE (%s): see %s/client/index.json",
             master.plan.run_id,
+            "; ".join(problems) or index["status"],
             master.plan.run_dir,
         )
+        # Exit 3, infrastructure invalid: records are missing from the parts, so no
+        # figure of this run can be trusted as is (Locust's own code would say 0 or 1).
+        environment.process_exit_code = int(ExitCode.INFRASTRUCTURE)
 
 
 def _on_stop_msg(environment: Environment, msg: Any, **_kw: Any) -> None:

@@ -59,7 +59,7 @@ from calculet_load.mixes import MixError, load_mix, single
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.selfwatch import SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
-from calculet_load.sink import PartSink
+from calculet_load.sink import PartSink, sink_status
 from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_tokenizer
 
 if TYPE_CHECKING:
@@ -642,11 +642,18 @@ class Pipeline:
                 entry = json.loads(info.read_text())
             else:
                 entry = {"host": socket.gethostname(), "pid": os.getpid(), **clock_provenance()}
-            workers.append({**entry, "worker": folder.name, "status": "reported", "parts": parts})
+            if folder.name == self.worker:
+                entry["sink"] = dataclasses.asdict(self.sink.stats)
+            status = "reported"
+            problem = sink_status(entry.get("sink"))
+            if problem is not None:  # rows not in the parts: the run says so (exit 3)
+                status, entry["sink_problem"] = "incomplete", problem
+            workers.append({**entry, "worker": folder.name, "status": status, "parts": parts})
+        incomplete = any(w["status"] != "reported" for w in workers)
         index = {
             "schema": "calculet-client-index/v1",
             "run_id": self.manifest.run_id,
-            "status": "complete",
+            "status": "incomplete" if incomplete else "complete",
             "source": "calculet-load accept",
             "target": self.url,
             "workers": workers,

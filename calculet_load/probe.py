@@ -10,6 +10,7 @@ succeeded, 1 when the server answered with an error, 2 for bad arguments or mani
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,7 +20,7 @@ from calculet_load.client import Timeouts, run_in_greenlet
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.records import record_to_dict
 from calculet_load.session import RequestSpec, RunContext, Session
-from calculet_load.sink import PartSink
+from calculet_load.sink import PartSink, SinkStats, sink_status
 from calculet_load.workload import PromptFactory, WorkloadError, http_tokenizer
 
 _STAMPS = (
@@ -103,10 +104,14 @@ def run(args: argparse.Namespace) -> int:
     )
     record, out = run_in_greenlet(lambda: session.send(spec))
     session.close()
-    sink.close()
+    stats = sink.close()
     jsonl = Path(run_dir) / "client" / "probe" / "requests.jsonl"
-    with jsonl.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record_to_dict(record, strict=True)) + "\n")
+    try:
+        with jsonl.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record_to_dict(record, strict=True)) + "\n")
+        jsonl_written: str | None = None
+    except (OSError, ValueError) as exc:
+        jsonl_written = f"{type(exc).__name__}: {exc}"
 
     print(f"probe {protocol} {url}  request {record.request_id}")
     print(f"  prompt {prompt.tokens} tokens ({prompt.sample_id}), max_tokens {args.max_tokens}")
@@ -130,13 +135,38 @@ def run(args: argparse.Namespace) -> int:
         f"({e.events} events in all), server {e.server_output_tokens}, "
         f"counted from {e.token_count_source}" + ("  MISMATCH" if e.token_count_mismatch else "")
     )
+    if e.count_anomaly:
+        print(f"  count anomaly: {e.count_anomaly}")
     if out.timings:
         shown = ", ".join(f"{k}={v}" for k, v in out.timings.items())
         print(f"  server timings: {shown}")
     print(f"  result: http {record.result.http_status}, finish {record.result.finish_reason}")
     if out.error_class:
         print(f"  error: {out.error_class}: {out.error_detail}")
-    print(f"  record written to {run_dir}")
+    if e.invalid_value is not None:
+        print(f"  offending value: {e.invalid_value}")
+    written = _written(stats, run_dir, jsonl, jsonl_written)
     if out.error_class in _UNREACHABLE:
         return 3
+    if not written:
+        return 3  # the record is not (wholly) where the analysis reads it
     return 0 if out.ok else 1
+
+
+def _written(stats: SinkStats, run_dir: str, jsonl: Path, jsonl_error: str | None) -> bool:
+    """Say exactly where the probe's record went; True when it is in a Parquet part."""
+    in_part = stats.records == 1
+    if in_part:
+        print(f"  record written: Parquet part under {run_dir}/client/probe/")
+    else:
+        problem = sink_status(dataclasses.asdict(stats)) or "; ".join(stats.errors)
+        print(f"  record NOT in a Parquet part: {problem or 'unknown'}", file=sys.stderr)
+    for name in stats.quarantine_files:
+        print(f"  quarantined rows: {run_dir}/client/probe/{name}", file=sys.stderr)
+    if stats.token_events:
+        print(f"  token events written: {stats.token_events}")
+    if jsonl_error is None:
+        print(f"  §3 line written: {jsonl}")
+    else:
+        print(f"  §3 line NOT written to {jsonl}: {jsonl_error}", file=sys.stderr)
+    return in_part and jsonl_error is None

@@ -18,12 +18,38 @@ from typing import Any, Literal
 ProtocolName = Literal["openai-chat", "openai-completions", "llama"]
 
 
-class ProtocolError(ValueError):
-    """The server broke the protocol; `error_class` says how (for the record)."""
+# Every count the server sends lands in an int64 column: a value outside 0..INT64_MAX is
+# refused where it is parsed, so it can never reach (and sink) a part of good records.
+INT64_MAX = 2**63 - 1
+RAW_VALUE_CHARS = 64  # how much of an offending value a record keeps, as text
 
-    def __init__(self, error_class: str, detail: str) -> None:
+
+def raw_text(value: Any, limit: int = RAW_VALUE_CHARS) -> str:
+    """A bounded, always-encodable text form of a value the server sent."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > limit:
+        text = f"{text[: limit - 24]}...({len(text)} chars)"
+    return safe_text(text)
+
+
+def safe_text(text: str) -> str:
+    """`text` with lone surrogates (a JSON escape such as "\\ud800") made visible as
+    backslash escapes: Arrow and Parquet refuse them, and one must not cost a part."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+class ProtocolError(ValueError):
+    """The server broke the protocol; `error_class` says how (for the record), `raw` keeps
+    the offending value as bounded text where there is one."""
+
+    def __init__(self, error_class: str, detail: str, raw: str | None = None) -> None:
         super().__init__(detail)
         self.error_class = error_class
+        self.raw = raw
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,6 +66,7 @@ class EventInfo:
     timings: dict[str, Any] | None = None
     nonfinite: bool = False
     count_source: str | None = None  # whole responses: where the token count came from
+    count_anomaly: str | None = None  # the count is not to be trusted as is: why
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,15 +110,20 @@ def _int(obj: Any, key: str) -> int | None:
     value = obj.get(key) if isinstance(obj, dict) else None
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ProtocolError("protocol_violation", f"{key}: expected a non-negative integer")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(
+            "protocol_violation", f"{key}: expected a non-negative integer", raw_text(value)
+        )
+    if not 0 <= value <= INT64_MAX:
+        raw = raw_text(value)
+        raise ProtocolError("value_out_of_range", f"{key}: {raw} is outside 0..2**63-1", raw)
     return value
 
 
 def _str(obj: dict[str, Any], key: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
-        raise ProtocolError("protocol_violation", f"{key}: expected a string")
+        raise ProtocolError("protocol_violation", f"{key}: expected a string", raw_text(value))
     return value
 
 
@@ -103,6 +135,12 @@ def _error_of(obj: dict[str, Any]) -> tuple[str, str] | None:
         kind = err.get("type") or err.get("code") or "error"
         return str(kind), str(err.get("message", ""))
     return "error", str(err)
+
+
+# An event with no text may still carry one token (an end-of-sequence or other special
+# token renders as nothing); a counter that rises by more on such an event is counting
+# tokens nobody received, so the count is flagged as a mismatch rather than believed.
+CONTENTLESS_STEP_MAX = 1
 
 
 class Adapter(abc.ABC):
@@ -136,8 +174,15 @@ class Adapter(abc.ABC):
             raise ProtocolError(
                 "protocol_violation",
                 f"{source}: cumulative count went back from {state.cumulative} to {cumulative}",
+                str(cumulative),
             )
-        info.tokens = cumulative - state.cumulative
+        step = cumulative - state.cumulative
+        if step > CONTENTLESS_STEP_MAX and not info.text:
+            info.count_anomaly = (
+                f"{source} rose by {step} (to {cumulative}) on an event "
+                "that carried no generated text"
+            )
+        info.tokens = step
         info.cumulative = cumulative
         state.cumulative = cumulative
         state.source = source

@@ -17,6 +17,7 @@ from typing import Any
 import gevent
 
 from calculet_load.client import (
+    OUTPUT_SLACK_TOKENS,
     CancelAt,
     ConnectionPool,
     Endpoint,
@@ -209,6 +210,8 @@ def make_record(ctx: RunContext, spec: RequestSpec, out: Outcome, protocol: str)
             sampling=spec.sampling,
             temperature=spec.temperature,
             nonfinite_field=out.nonfinite,
+            invalid_value=out.invalid_value,
+            count_anomaly=out.count_anomaly,
         ),
     )
 
@@ -251,8 +254,10 @@ class Session:
         timeouts: Timeouts | None = None,
         sink: PartSink | None = None,
         clock: Clock | None = None,
+        output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
     ) -> None:
         self.ctx = ctx
+        self.output_slack_tokens = output_slack_tokens
         self.adapter = adapter_for(protocol)
         self.protocol = protocol
         self.model = model
@@ -290,6 +295,8 @@ class Session:
                 clock=self.clock,
                 cancel=spec.cancel,
                 on_token=on_token,
+                max_tokens=spec.max_tokens,
+                output_slack_tokens=self.output_slack_tokens,
             )
         except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
             cut: Outcome | None = getattr(exc, "outcome", None)

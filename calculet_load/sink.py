@@ -15,10 +15,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -32,7 +33,7 @@ from calculet_load.schema.arrow import (
     selfwatch_table,
     token_events_table,
 )
-from calculet_load.schema.records import RequestRecord, TokenEvent
+from calculet_load.schema.records import RequestRecord, TokenEvent, record_to_dict
 
 TABLES = ("requests", "tokens", "selfwatch")
 
@@ -71,6 +72,30 @@ class SinkStats:
     bytes: int = 0
     write_s: float = 0.0
     errors: list[str] = dataclasses.field(default_factory=list)
+    quarantined: int = 0  # rows that could not go into a part, kept in a quarantine file
+    quarantine_files: list[str] = dataclasses.field(default_factory=list)
+    lost: int = 0  # rows neither in a part nor in a quarantine file
+
+    @property
+    def complete(self) -> bool:
+        """Every row handed to the sink is in a Parquet part."""
+        return not (self.errors or self.quarantined or self.lost)
+
+
+def sink_status(stats: dict[str, Any] | None) -> str | None:
+    """Why a worker's sink (its `SinkStats` as a dict, as the index keeps it) did not
+    write everything into its parts, or None when it did (or nothing is known)."""
+    if not stats:
+        return None
+    problems = []
+    if stats.get("quarantined"):
+        files = ", ".join(stats.get("quarantine_files") or []) or "no file"
+        problems.append(f"{stats['quarantined']} row(s) quarantined ({files})")
+    if stats.get("lost"):
+        problems.append(f"{stats['lost']} row(s) lost")
+    if stats.get("errors") and not problems:
+        problems.append(f"{len(stats['errors'])} write error(s)")
+    return "; ".join(problems) or None
 
 
 class PartSink:
@@ -202,27 +227,83 @@ class PartSink:
                 self._write(item)
             except Exception as exc:  # keep writing later parts; the loss is reported
                 self.stats.errors.append(f"part {item.part}: {type(exc).__name__}: {exc}")
+                self.stats.lost += len(item.records) + len(item.tokens) + len(item.selfwatch)
             self.stats.write_s += time.perf_counter() - t
 
     def _write(self, batch: _Batch) -> None:
-        tables: list[tuple[str, pa.Table]] = []
-        if batch.records:
-            tables.append(("requests", records_table(batch.records)))
-        if batch.tokens:
-            tables.append(("tokens", token_events_table(batch.tokens)))
-        if batch.selfwatch:
-            tables.append(("selfwatch", selfwatch_table(batch.selfwatch)))
-        for name, table in tables:
+        """Write the batch's tables as one part. A row whose values Arrow refuses costs
+        only itself: it is found by bisection and quarantined, the rest are written."""
+        plan: list[tuple[str, Sequence[Any], Callable[[Sequence[Any]], pa.Table]]] = [
+            ("requests", batch.records, records_table),
+            ("tokens", batch.tokens, token_events_table),
+            ("selfwatch", batch.selfwatch, selfwatch_table),
+        ]
+        for name, rows, convert in plan:
+            if not rows:
+                continue
+            table, refused = _convert(rows, convert)
+            if refused:
+                self._quarantine(batch.part, name, refused, "Arrow refused the row")
+            if table is None:
+                continue
             final = f"{self.dir}/part-{batch.part:05d}.{name}.parquet"
             tmp = f"{self.dir}/.part-{batch.part:05d}.{name}.parquet.tmp"
-            with self.fs.open_output_stream(tmp) as stream:
-                pq.write_table(table, stream, compression=self.compression)
-            self.fs.move(tmp, final)
+            try:
+                with self.fs.open_output_stream(tmp) as stream:
+                    pq.write_table(table, stream, compression=self.compression)
+                self.fs.move(tmp, final)
+            except Exception as exc:  # the file system failed: keep the rows as JSON lines
+                self.stats.errors.append(f"part {batch.part} {name}: {type(exc).__name__}: {exc}")
+                good = [row for row in rows if all(row is not r for r, _ in refused)]
+                unwritten = [(r, exc) for r in good]
+                self._quarantine(batch.part, f"{name}.unwritten", unwritten, "write failed")
+                continue
             self.stats.bytes += self.fs.get_file_info(final).size
+            count = table.num_rows
+            if name == "requests":
+                self.stats.records += count
+            elif name == "tokens":
+                self.stats.token_events += count
+            else:
+                self.stats.selfwatch += count
         self.stats.parts += 1
-        self.stats.records += len(batch.records)
-        self.stats.token_events += len(batch.tokens)
-        self.stats.selfwatch += len(batch.selfwatch)
+
+    def _quarantine(
+        self, part: int, table: str, rows: Sequence[tuple[Any, BaseException]], why: str
+    ) -> None:
+        """Keep rows that could not go into a part as JSON lines beside the parts."""
+        if not rows:
+            return
+        path = f"{self.dir}/quarantine-{part:05d}.{table}.jsonl"
+        lines = [
+            json.dumps(
+                {
+                    "table": table.split(".")[0],
+                    "part": part,
+                    "why": why,
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                    "row": _row_dict(row),
+                },
+                default=repr,
+                ensure_ascii=True,  # a lone surrogate must not make the line unwritable
+            )
+            for row, exc in rows
+        ]
+        try:
+            with self.fs.open_output_stream(path) as stream:
+                stream.write(("\n".join(lines) + "\n").encode())
+        except Exception as exc:
+            self.stats.lost += len(rows)
+            self.stats.errors.append(
+                f"part {part} {table}: {len(rows)} row(s) lost, quarantine unwritable: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            return
+        self.stats.quarantined += len(rows)
+        name = path.rsplit("/", 1)[-1]
+        if name not in self.stats.quarantine_files:
+            self.stats.quarantine_files.append(name)
+        self.stats.errors.append(f"part {part} {table}: {len(rows)} row(s) quarantined to {name}")
 
     def _first_free_part(self) -> int:
         """Continue numbering after existing parts (a restarted worker appends)."""
@@ -233,6 +314,32 @@ class PartSink:
             if i.base_name.startswith("part-") and i.base_name.split(".")[0][5:].isdigit()
         ]
         return max(numbers, default=0) + 1
+
+
+def _convert(
+    rows: Sequence[Any], convert: Callable[[Sequence[Any]], pa.Table]
+) -> tuple[pa.Table | None, list[tuple[Any, BaseException]]]:
+    """`convert(rows)`, or when Arrow refuses some row: the table of the rows it takes
+    and the refused rows with their errors (found by bisection: log2(n) tries a row)."""
+    try:
+        return convert(rows), []
+    except Exception as exc:
+        if len(rows) == 1:
+            return None, [(rows[0], exc)]
+    half = len(rows) // 2
+    left, bad_left = _convert(rows[:half], convert)
+    right, bad_right = _convert(rows[half:], convert)
+    tables = [t for t in (left, right) if t is not None]
+    table = pa.concat_tables(tables) if tables else None
+    return table, bad_left + bad_right
+
+
+def _row_dict(row: Any) -> Any:
+    if isinstance(row, RequestRecord):
+        return record_to_dict(row)
+    if dataclasses.is_dataclass(row) and not isinstance(row, type):
+        return dataclasses.asdict(row)
+    return repr(row)
 
 
 def install_signal_handlers(sink: PartSink) -> None:

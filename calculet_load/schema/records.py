@@ -137,6 +137,13 @@ class Ext:
     sampling: str | None = None  # greedy | seeded
     temperature: float | None = None
     nonfinite_field: bool = False
+    invalid_value: str | None = None  # a failure's offending raw value, bounded text
+    count_anomaly: str | None = None  # why the token count was flagged (mismatch)
+
+
+# Columns added to `calculet-perf-request/v1` after its first release, each optional: a
+# reader fills them with nulls in parts written before them (never a different meaning).
+ADDED_REQUEST_COLUMNS = ("ext.invalid_value", "ext.count_anomaly")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ class LocustRun:
     args: list[str]
     workers: int = 2
     run_time_s: float = 10.0
+    locustfile: str = LOCUSTFILE
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
@@ -52,7 +53,7 @@ class LocustRun:
         return proc
 
     def start(self) -> LocustRun:
-        base = [sys.executable, "-m", "locust", "-f", LOCUSTFILE]
+        base = [sys.executable, "-m", "locust", "-f", self.locustfile]
         common = ["--headless", "-H", self.host, "--run-dir", str(self.run_dir)]
         common += ["-t", f"{round(self.run_time_s)}s", "--json-file", str(self.json_prefix)]
         if self.workers == 0:

@@ -453,8 +453,36 @@ EVENT_CASES = [
         "count-negative",
         "llama",
         _llama_raw('"content":"a","tokens_predicted":-1'),
-        "protocol_violation",
+        "value_out_of_range",
         0,
+    ),
+    (
+        "count-beyond-int64",
+        "llama",
+        L1 + L2 + L3 + STOP3.replace(b'"tokens_predicted":3', b'"tokens_predicted":%d' % 2**70),
+        "value_out_of_range",
+        3,
+    ),
+    (
+        "predicted-n-beyond-int64",
+        "llama",
+        L1 + L2 + L3 + STOP3.replace(b'"predicted_n":3', b'"predicted_n":%d' % 2**64),
+        "value_out_of_range",
+        3,
+    ),
+    (
+        "usage-beyond-int64",
+        "openai-chat",
+        C1 + chat_event(2**63) + DONE,
+        "value_out_of_range",
+        1,
+    ),
+    (
+        "prompt-tokens-beyond-int64",
+        "llama",
+        L1 + _llama_raw(f'"content":"b","tokens_predicted":2,"tokens_evaluated":{2**66}'),
+        "value_out_of_range",
+        1,
     ),
     (
         "count-infinite",
@@ -1044,3 +1072,97 @@ def test_non_stream_success() -> None:
 def test_non_stream_hostile_body(proto: str, body: bytes, error_class: str) -> None:
     out = play(_json(body, "chunked"), proto, stream=False)
     failed(out, error_class, 7 if error_class == "nonfinite_number" else 0)
+
+
+# --- values a record must never be lost to (issue 15) ----------------------------------------
+
+
+def test_an_out_of_range_count_keeps_its_raw_value_as_bounded_text() -> None:
+    huge = 2**70
+    stop = STOP3.replace(b'"tokens_predicted":3', b'"tokens_predicted":%d' % huge)
+    out = play([http(L1 + L2 + L3 + stop)])
+    failed(out, "value_out_of_range", 3)
+    assert out.invalid_value == str(huge)
+    assert "tokens_predicted" in (out.error_detail or "")
+    giant = 10**70  # 71 digits: kept bounded, its length said
+    stop = STOP3.replace(b'"tokens_predicted":3', b'"tokens_predicted":%d' % giant)
+    out = play([http(L1 + L2 + L3 + stop)])
+    assert out.invalid_value is not None and len(out.invalid_value) <= 64
+    assert out.invalid_value.endswith("(71 chars)")
+
+
+def test_unrequested_content_encoding_is_classified_and_identity_is_asked_for() -> None:
+    with serve([http(SHORT_LLAMA, headers=[b"Content-Encoding: gzip"])], VALID) as server:
+        out = request(server.url)
+        after = request(server.url, request_id="req-after")
+        sent = server.requests[0]
+    failed(out, "content_encoding", 0)
+    assert out.invalid_value == "gzip"
+    assert after.ok and after.output_tokens == VALID_TOKENS
+    assert b"\r\naccept-encoding: identity\r\n" in sent.lower()
+
+
+def test_identity_content_encoding_is_accepted() -> None:
+    out = play([http(SHORT_LLAMA, headers=[b"Content-Encoding: identity"])])
+    assert out.ok and out.output_tokens == VALID_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("proto", "body", "tokens"),
+    [
+        pytest.param("llama", L1 + llama_event(4, "") + llama_event(4, stop=True), 4, id="llama"),
+        pytest.param("openai-chat", C1 + chat_event(4, "") + DONE, 4, id="openai-chat"),
+    ],
+)
+def test_a_counter_that_jumps_without_content_is_a_mismatch(
+    proto: str, body: bytes, tokens: int
+) -> None:
+    out = play([http(body)], proto)
+    assert out.ok and out.output_tokens == tokens
+    assert out.token_count_mismatch
+    assert out.count_anomaly is not None and "rose by 3" in out.count_anomaly
+
+
+def test_one_token_without_content_is_not_an_anomaly() -> None:
+    # an end-of-sequence (special) token renders as no text and still counts one
+    out = play([http(L1 + L2 + llama_event(3, "") + STOP3)])
+    assert out.ok and out.output_tokens == 3
+    assert out.count_anomaly is None and not out.token_count_mismatch
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "slack", "flagged"), [(2, 0, True), (3, 0, False), (2, 1, False)]
+)
+def test_output_above_max_tokens_is_flagged(max_tokens: int, slack: int, flagged: bool) -> None:
+    adapter = adapter_for("llama")
+    body = adapter.body("x", max_tokens, stream=True, model=None, temperature=0.0, seed=None,
+                        ignore_eos=True)  # fmt: skip
+    with serve([http(L1 + L2 + L3 + STOP3)]) as server:
+        pool = ConnectionPool(Endpoint(server.url), 1)
+        try:
+            out = run_in_greenlet(
+                lambda: execute(
+                    pool,
+                    adapter,
+                    body,
+                    "r",
+                    stream=True,
+                    timeouts=FAST,
+                    max_tokens=max_tokens,
+                    output_slack_tokens=slack,
+                )
+            )
+        finally:
+            pool.close()
+    assert out.ok and out.output_tokens == 3
+    assert out.token_count_mismatch is flagged
+    if flagged:
+        assert out.count_anomaly == "output 3 tokens above the requested max 2 (+0 slack)"
+
+
+def test_a_lone_surrogate_in_an_error_message_still_makes_a_writable_record() -> None:
+    body = b'data: {"error":{"message":"bad \\ud800 slot","type":"x\\udfff"}}\n\n'
+    out = play([http(body)])
+    failed(out, "server_error_event", 0)
+    assert out.error_detail == "bad \\ud800 slot" and out.error_code == "x\\udfff"
+    (out.error_detail + out.error_code).encode("utf-8")  # encodable: Arrow takes it

@@ -94,7 +94,11 @@ def test_whole_response_counts_from_usage_or_says_it_cannot() -> None:
         ("{not json", "invalid_json"),
         ("[1, 2]", "protocol_violation"),
         ('{"choices": {}}', "protocol_violation"),
-        ('{"choices": [], "usage": {"completion_tokens": -1}}', "protocol_violation"),
+        ('{"choices": [], "usage": {"completion_tokens": -1}}', "value_out_of_range"),
+        (
+            '{"choices": [], "usage": {"completion_tokens": 9223372036854775808}}',
+            "value_out_of_range",
+        ),
     ],
 )
 def test_bad_events_raise_classified_errors(data: str, error_class: str) -> None:

@@ -3,6 +3,7 @@ and reading a run folder with parts from several workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import signal
@@ -246,3 +247,76 @@ def test_sigterm_flushes_everything_and_a_kill_loses_only_the_open_part(
     assert proc.wait(30) == code
     proc.stdout.close()
     assert len(read_records(str(tmp_path))) == survivors
+
+
+# --- no record is lost to another record's value (issue 15) ----------------------------------
+
+
+def _quarantine_lines(folder: Path) -> list[dict[str, object]]:
+    return [
+        json.loads(line)
+        for path in sorted(folder.glob("quarantine-*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def test_a_row_arrow_refuses_costs_only_itself(tmp_path: Path) -> None:
+    # A value that escaped every check upstream (2**70 does not fit int64) among 500 good
+    # records and their token events: the 500 are written, the one is quarantined.
+    s = PartSink(str(tmp_path), "w1", rotate_rows=10_000, rotate_s=1e9)
+    bad_at = 317
+    for i in range(501):
+        r = rec(i)
+        if i == bad_at:
+            r = RequestRecord("run", r.request_id, ext=Ext(worker="w1", server_output_tokens=2**70))
+        s.add(r, tokens(i))
+    s.add(rec(999), [TokenEvent("w1-0999", 0, 5, 1, 2**64)])  # a bad token event alone
+    stats = s.close()
+    ids = [r.request_id for r in read_records(str(tmp_path))]
+    assert len(ids) == 501 and f"w1-{bad_at:04d}" not in ids and "w1-0999" in ids
+    assert read_table(str(tmp_path), "tokens").num_rows == 501 * 3
+    assert stats.records == 501 and stats.token_events == 1503
+    assert stats.quarantined == 2 and not stats.complete and stats.lost == 0
+    assert stats.quarantine_files == [
+        "quarantine-00001.requests.jsonl",
+        "quarantine-00001.tokens.jsonl",
+    ]
+    lines = _quarantine_lines(tmp_path / "client" / "w1")
+    assert [(x["table"], x["part"]) for x in lines] == [("requests", 1), ("tokens", 1)]
+    row = lines[0]["row"]
+    assert isinstance(row, dict) and row["request_id"] == f"w1-{bad_at:04d}"
+    assert row["ext"]["server_output_tokens"] == 2**70  # the raw value is kept
+    assert "OverflowError" in str(lines[0]["error"]) or "out of range" in str(lines[0]["error"])
+    problem = sink.sink_status(dataclasses.asdict(stats))
+    assert problem is not None and "2 row(s) quarantined" in problem
+
+
+def test_a_part_the_file_system_refuses_goes_to_a_quarantine_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = pq.write_table
+
+    def failing(table: object, where: object, **kw: object) -> None:
+        if "client_ns.request_start" in getattr(table, "column_names", []):
+            raise OSError("disk full")
+        real(table, where, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sink.pq, "write_table", failing)
+    s = PartSink(str(tmp_path), "w1", rotate_rows=10_000, rotate_s=1e9)
+    for i in range(4):
+        s.add(rec(i), tokens(i))
+    stats = s.close()
+    assert stats.records == 0 and stats.token_events == 12
+    assert stats.quarantined == 4 and stats.lost == 0
+    assert any("disk full" in e for e in stats.errors)
+    lines = _quarantine_lines(tmp_path / "client" / "w1")
+    assert [x["row"]["request_id"] for x in lines] == [f"w1-{i:04d}" for i in range(4)]  # type: ignore[index]
+    assert {x["why"] for x in lines} == {"write failed"}
+
+
+def test_a_clean_sink_is_complete(tmp_path: Path) -> None:
+    s = PartSink(str(tmp_path), "w1")
+    s.add(rec(1), tokens(1))
+    stats = s.close()
+    assert stats.complete and sink.sink_status(dataclasses.asdict(stats)) is None
+    assert not list((tmp_path / "client" / "w1").glob("quarantine-*"))
