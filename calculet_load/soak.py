@@ -47,6 +47,7 @@ calculet_load/soakjudge.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -639,6 +640,7 @@ class Soak:
     # ------------------------------------------------------------------ verdict
     def _write_index(self, status: str) -> None:
         assert self.state is not None
+        self.attempt["sink"] = dataclasses.asdict(self.sink.stats)
         soakstate.write_client_index(
             self.run_dir,
             self.state,

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from calculet_load.sink import sink_status
 from calculet_load.soakstage import StageError
 
 STATE_SCHEMA = "calculet-soak-state/v1"
@@ -285,6 +286,12 @@ def write_client_index(
         }
         if a.get("status") == "killed":
             entry["open_part_lost"] = True
+        if a.get("sink") is not None:
+            entry["sink"] = a["sink"]
+            problem = sink_status(a["sink"])
+            if problem is not None:  # rows not in the parts: the run says so (exit 3)
+                entry["status"], entry["sink_problem"] = "incomplete", problem
+                status = "incomplete"
         workers.append(entry)
     index = {
         "schema": "calculet-client-index/v1",
