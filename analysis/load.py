@@ -39,6 +39,7 @@ from analysis.errors import ArtifactError
 from calculet_load.runfolder import part_files
 from calculet_load.schema import ResourceRow
 from calculet_load.schema.arrow import (
+    ADDED_SELFWATCH_COLUMNS,
     SELFWATCH_SCHEMA,
     arrow_schema,
     check_table_schema,
@@ -272,7 +273,10 @@ def _read_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) -> 
 
 
 # Optional columns added to a table's v1 after its first release: absent in older parts.
-_ADDED: dict[str, tuple[str, ...]] = {REQUEST_SCHEMA: ADDED_REQUEST_COLUMNS}
+_ADDED: dict[str, tuple[str, ...]] = {
+    REQUEST_SCHEMA: ADDED_REQUEST_COLUMNS,
+    SELFWATCH_SCHEMA: ADDED_SELFWATCH_COLUMNS,
+}
 
 
 def _upgrade(table: pa.Table, name: str, schema: pa.Schema) -> pa.Table:

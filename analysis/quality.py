@@ -27,6 +27,11 @@ Self-watch sample k of a worker covers (mono_{k−1}, mono_k] of that worker's m
 clock (the first covers one median interval before it); a request of that worker is
 flagged when any sample covering part of [t0, its last stamp] is saturated. Requests of
 a worker without samples are not flagged: that is reported as no data, not as clean.
+
+Samples marked `warmup` (the worker's start-up, before its prompts, tokenization and
+connections were ready; calculet_load.selfwatch) are left out first: the worker sends
+nothing until its warm-up ends, and it closes the warm-up with a sample, so the judged
+samples cover every request and no start-up work.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class QualityReport:
     workers_without_selfwatch: tuple[str, ...]
     network_break_records: int
     thresholds: dict[str, float] = field(default_factory=dict)
+    selfwatch_warmup_samples: int = 0  # of selfwatch_samples: start-up, not judged
 
 
 def _bools(table: pa.Table, name: str) -> BoolArray:
@@ -138,6 +144,8 @@ def _saturation(
     t0, end, ok = _span(d)
     workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
     sw = run.selfwatch
+    if "warmup" in sw.column_names:
+        sw = sw.filter(pc.invert(pc.fill_null(sw.column("warmup"), False)))
     sw_workers = np.asarray(sw.column("worker").fill_null("").to_numpy(zero_copy_only=False))
     mono, _ = _ints(sw, "mono_ns")
     lag = np.nan_to_num(
@@ -167,6 +175,13 @@ def _saturation(
         count = cum[hi + 1] - cum[lo_c]
         flagged[req] = covered & (count > 0)
     return flagged, tuple(without)
+
+
+def _warmup_samples(run: RunData) -> int:
+    sw = run.selfwatch
+    if "warmup" not in sw.column_names:
+        return 0
+    return int(pc.sum(pc.fill_null(sw.column("warmup"), False).cast(pa.int64())).as_py() or 0)
 
 
 def _network_breaks(run: RunData) -> BoolArray:
@@ -279,5 +294,6 @@ def apply_quality(
         workers_without_selfwatch=without,
         network_break_records=int(np.count_nonzero(reasons[Reason.NETWORK_BREAK])),
         thresholds={"saturated_lag_ms": lag_ms, "saturated_cpu_percent": cpu_percent},
+        selfwatch_warmup_samples=_warmup_samples(run),
     )
     return table, report

@@ -4,6 +4,13 @@ A greenlet wakes every `interval_s` and measures how late it woke (event-loop la
 every other greenlet made it wait, which is also how late a token's timestamp can be),
 and samples this process's CPU and RSS with psutil. Samples go to the sink beside the
 records, so the analysis can exclude windows where the client was saturated.
+
+Start-up is not load. A watch started with `warmup=True` marks its samples `warmup`
+until `end_warmup()`, which the owner calls once its prompts, tokenization and
+connections are ready and before its first request: it closes the warm-up with one
+last warm-up sample and starts the next interval there, so no judged sample covers
+start-up work and every request falls under judged samples (analysis.quality ignores
+warm-up samples only).
 """
 
 from __future__ import annotations
@@ -55,9 +62,23 @@ class SelfWatch:
         self.max_lag_ms = 0.0
         self._proc = psutil.Process()
         self._greenlet: gevent.Greenlet[[], None] | None = None
+        self.warmup = False
 
-    def start(self) -> None:
+    def start(self, *, warmup: bool = False) -> None:
+        self.warmup = warmup
         self._proc.cpu_percent(None)  # prime: the first call has no interval
+        self._greenlet = gevent.spawn(self._run)
+
+    def end_warmup(self) -> None:
+        """The load is ready: a last warm-up sample now, then judged intervals from here."""
+        if not self.warmup or self._greenlet is None:
+            return
+        self._greenlet.kill()
+        t = time.monotonic_ns()
+        gevent.sleep(0)  # the lag of one turn of the loop: what a timer would have seen
+        now = time.monotonic_ns()
+        self._sample(now, (now - t) / 1e6, None)
+        self.warmup = False
         self._greenlet = gevent.spawn(self._run)
 
     def stop(self) -> None:
@@ -75,27 +96,32 @@ class SelfWatch:
             sleep_until(expected)
             now = time.monotonic_ns()
             lag_ms = max(now - expected, 0) / 1e6
-            self.max_lag_ms = max(self.max_lag_ms, lag_ms)
+            if not self.warmup:
+                self.max_lag_ms = max(self.max_lag_ms, lag_ms)
             rate = None
             if self.token_events is not None:
                 events = self.token_events()
                 rate = (events - last_events) / ((now - last) / 1e9)
                 last_events = events
             last = now
-            row = SelfWatchRow(
-                worker=self.worker,
-                mono_ns=now,
-                wall_ns=time.time_ns(),
-                loop_lag_ms=lag_ms,
-                cpu_percent=self._proc.cpu_percent(None),
-                rss_bytes=self._proc.memory_info().rss,
-                in_flight=self.in_flight() if self.in_flight else None,
-                token_events_per_s=rate,
-            )
-            self.samples.append(row)
-            if len(self.samples) > 3600:  # keep an hour in memory; the sink has it all
-                del self.samples[:600]
-            if self.sink is not None:
-                self.sink.add_selfwatch(row)
-            if self.on_sample is not None:
-                self.on_sample(row)
+            self._sample(now, lag_ms, rate)
+
+    def _sample(self, now: int, lag_ms: float, rate: float | None) -> None:
+        row = SelfWatchRow(
+            worker=self.worker,
+            mono_ns=now,
+            wall_ns=time.time_ns(),
+            loop_lag_ms=lag_ms,
+            cpu_percent=self._proc.cpu_percent(None),
+            rss_bytes=self._proc.memory_info().rss,
+            in_flight=self.in_flight() if self.in_flight else None,
+            token_events_per_s=rate,
+            warmup=True if self.warmup else None,
+        )
+        self.samples.append(row)
+        if len(self.samples) > 3600:  # keep an hour in memory; the sink has it all
+            del self.samples[:600]
+        if self.sink is not None:
+            self.sink.add_selfwatch(row)
+        if self.on_sample is not None:
+            self.on_sample(row)

@@ -42,6 +42,13 @@ class SelfWatchRow:
     rss_bytes: int | None
     in_flight: int | None
     token_events_per_s: float | None
+    # True for the samples of the client's start-up (before its prompts, tokenization and
+    # connections were ready and its first request went out): not judged for saturation
+    warmup: bool | None = None
+
+
+# Columns added to `calculet-selfwatch/v1` after its first release (null in older parts).
+ADDED_SELFWATCH_COLUMNS = ("warmup",)
 
 
 _SCALARS: dict[Any, pa.DataType] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -170,3 +171,29 @@ def test_a_malformed_plan_exclusion_is_an_artifact_error(tmp_path: Path) -> None
     (tmp_path / "plan.json").write_text(json.dumps({"excluded": [{"worker": "w00"}]}))
     with pytest.raises(ArtifactError, match=r"plan\.json: excluded\[0\]"):
         apply_quality(load_run(run_dir))
+
+
+def test_warmup_samples_are_not_judged_and_the_load_still_is(tmp_path: Path) -> None:
+    """Issue 15: the worker's start-up (warm-up sample, saturated by building prompts)
+    flags nothing; a saturated sample of the load still flags its requests."""
+    b = RunBuilder(tmp_path)
+    start_up = dataclasses.replace(
+        selfwatch("w00", 100 * MS, lag_ms=SATURATED_LAG_MS * 4, cpu=99.0), warmup=True
+    )
+    b.watch += [
+        start_up,  # covers (.., 100 ms]: prompts, tokenization, connections
+        selfwatch("w00", 1_100 * MS),  # covers (100, 1100] ms: clean
+        selfwatch("w00", 2_100 * MS, lag_ms=SATURATED_LAG_MS * 4),  # (1100, 2100] saturated
+    ]
+    # x runs in the clean sample only, y in the saturated one
+    b.add(request("x", t0=150 * MS)).add(request("y", t0=1_500 * MS))
+    table, q = apply_quality(load_run(b.write()))
+    assert table.column("quality.client_saturated").to_pylist() == [False, True]
+    assert q.saturated == 1
+    assert q.selfwatch_samples == 3 and q.selfwatch_warmup_samples == 1
+    # the same start-up sample, not marked warm-up, is judged like any other
+    b2 = RunBuilder(tmp_path / "unmarked")
+    b2.watch += [dataclasses.replace(start_up, warmup=None), *b.watch[1:]]
+    b2.add(request("x", t0=50 * MS)).add(request("y", t0=1_500 * MS))
+    table2, _ = apply_quality(load_run(b2.write()))
+    assert table2.column("quality.client_saturated").to_pylist() == [True, True]
