@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ import gevent
 import gevent.pool
 
 from calculet_load.arrivals import RateClock, Schedule
+from calculet_load.clock import SystemClock
 from calculet_load.matrix import Cell
 from calculet_load.mixes import Mix, MixChooser
 from calculet_load.selfwatch import sleep_until
@@ -144,8 +144,10 @@ def _owner(k: int, users: list[int]) -> int:
 
 
 def wall_to_mono(wall_ns: int) -> int:
-    """A wall-clock instant on this process's monotonic clock."""
-    return time.monotonic_ns() + (wall_ns - time.time_ns())
+    """A wall-clock instant of this process's clock on its monotonic clock (a Locust
+    worker has already moved the master's instant onto its own wall clock)."""
+    clock = SystemClock()
+    return clock.mono_ns() + (wall_ns - clock.wall_ns())
 
 
 class CellRunner:

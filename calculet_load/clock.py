@@ -13,6 +13,7 @@ shared by every process on a host (outside time namespaces), so the stamps of a 
 and a server on one machine can be compared directly. NTP slews it but never steps it.
 """
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -47,8 +48,17 @@ class Clock(Protocol):
         ...
 
 
+# TEST ONLY: shifts this process's wall clock (never its monotonic clock) by this many ns,
+# so one machine can play hosts whose clocks disagree (tests/load/test_netns.py). Read
+# once at import; unset in any real run. libfaketime would also shift CLOCK_MONOTONIC and
+# the threads of zmq and the sink, which is more than the test wants.
+TEST_WALL_SHIFT_ENV = "CALCULET_TEST_WALL_SHIFT_NS"
+_TEST_WALL_SHIFT_NS = int(os.environ.get(TEST_WALL_SHIFT_ENV, "0") or "0")
+
+
 class SystemClock:
-    """The real clocks: `time.monotonic_ns` and `time.time_ns`."""
+    """The real clocks: `time.monotonic_ns` and `time.time_ns` (plus the test-only shift
+    of `CALCULET_TEST_WALL_SHIFT_NS`, 0 unless a test sets it)."""
 
     __slots__ = ()
 
@@ -56,7 +66,7 @@ class SystemClock:
         return time.monotonic_ns()
 
     def wall_ns(self) -> int:
-        return time.time_ns()
+        return time.time_ns() + _TEST_WALL_SHIFT_NS
 
 
 class FakeClock:
@@ -131,7 +141,8 @@ class NtpStatus:
     """How far this host's wall clock is from its NTP reference, as its daemon says.
 
     `offset_ns` is reference time minus local wall time (positive: the local clock is
-    behind), so reference ≈ local `wall_ns` + `offset_ns`. It is None when no daemon
+    behind), so reference ≈ local `wall_ns` + `offset_ns`: the one convention of
+    calculet_load.schema.clocks (convert with its `to_reference_ns`). It is None when no daemon
     reports one, or reports itself unsynchronised; never 0 for unknown.
     `synchronized` is None when unknown. `detail` says what was read or why nothing was.
     """
@@ -261,7 +272,7 @@ def clock_provenance() -> dict[str, object]:
     """This host's NTP offset (as its daemon reports it) and a monotonic/wall anchor pair:
     what lines one host's records up with another's. Written into `client/index.json`."""
     ntp = query_ntp_offset()
-    anchor = ClockAnchor.take(SystemClock())
+    anchor = ClockAnchor.take(SystemClock())  # the test-only wall shift shows here too
     return {
         "ntp_offset_ns": ntp.offset_ns,
         "ntp_source": ntp.source,

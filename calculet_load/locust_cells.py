@@ -55,6 +55,7 @@ from locust.runners import STATE_MISSING, MasterRunner, WorkerRunner
 from calculet_load.cellrun import CellRunner, FleetError, Share
 from calculet_load.client import Timeouts
 from calculet_load.clock import clock_provenance
+from calculet_load.locust_clocksync import LOCAL, ClockSync
 from calculet_load.schema.records import Hardware, Software
 from calculet_load.selfwatch import SelfWatch
 from calculet_load.session import RunContext, Session
@@ -98,6 +99,7 @@ class Fleet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._waiting: dict[tuple[str, str], gevent.event.AsyncResult] = {}
         self._tasks = itertools.count(1)
+        self.clock_sync: ClockSync | None = None  # issue 15: each worker's offset to us
 
     @property
     def processes(self) -> int:
@@ -109,6 +111,7 @@ class Fleet:
         self.runner = runner
         for kind in ("calculet_ready", "calculet_done", "calculet_closed"):
             runner.register_message(kind, self._on_reply)
+        self.clock_sync = ClockSync(runner)
         if self.local:
             logs = self.run_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
@@ -139,6 +142,7 @@ class Fleet:
         for cid in sorted(index, key=index.__getitem__)[: self.expect]:
             self.names[cid] = f"w{index[cid] + 1:02d}{self.suffix}"
         self.say(f"workers: {', '.join(self.names.values())}")
+        self._sync_clocks(max_age_s=0.0)
 
     # --- one step of a cell -----------------------------------------------------------
     def run_step(
@@ -159,6 +163,7 @@ class Fleet:
                 self._worker_info(run_dir, reply["worker"], reply["info"])
             if reply.get("error"):
                 raise FleetError(f"{reply['worker']}: {reply['error']}", infra=reply["infra"])
+        self._sync_clocks(max_age_s=30.0)  # each worker turns `start` into its own clock
         start = time.time_ns() + int(lead_s * 1e9)
         for cid in shares:
             runner.send_message("calculet_go", {"task": task, "start_wall_ns": start}, cid)
@@ -258,9 +263,21 @@ class Fleet:
             tmp.write_bytes(data)
             tmp.replace(folder / name)
 
+    def _sync_clocks(self, max_age_s: float) -> None:
+        """Measure each worker's wall-clock offset to this master if older than
+        `max_age_s` (the worker keeps it and converts the instants we send)."""
+        if self.clock_sync is not None:
+            alive = [cid for cid in self.names if self._state(cid) != STATE_MISSING]
+            self.clock_sync.ensure(alive, max_age_s=max_age_s)
+
     def _worker_info(self, run_dir: Path, worker: str, info: dict[str, Any]) -> None:
         """What a worker reported of itself (host, pid, clock): kept, and written to
         `client/<worker>/worker.json` for the run's index."""
+        cid = next((c for c, n in self.names.items() if n == worker), None)
+        if self.clock_sync is not None and cid is not None:
+            clock = self.clock_sync.for_client(cid)
+            if clock is not None:  # issue 15: the master's measurement of this worker
+                info = {**info, "master_clock_sync": clock}
         self.reports[worker] = info
         _write_json(run_dir / "client" / worker / "worker.json", info)
 
@@ -388,7 +405,7 @@ def _on_go(environment: Environment, msg: Any, **_kw: Any) -> None:
     if agent is None:
         log.error("calculet: go for an unknown task %s", task)
         return
-    start = int(msg.data["start_wall_ns"])
+    start = LOCAL.to_local_ns(int(msg.data["start_wall_ns"]))  # the master's instant, ours
     share = dataclasses.replace(agent.pending.pop(task), start_wall_ns=start)
     sent, error = 0, None
     try:

@@ -19,6 +19,7 @@ from locust.env import Environment
 from locust.runners import MasterRunner
 
 from calculet_load.livestats import LiveStats
+from calculet_load.locust_clocksync import ClockSync
 from calculet_load.locust_worker import OPEN_LOOP, Plan, Worker, _run_id, options
 from calculet_load.scrape import ServerSampler, sampler_for_run
 from calculet_load.sink import resolve_fs, sink_status
@@ -48,6 +49,8 @@ class Coordinator:
         self._burster: gevent.Greenlet[..., Any] | None = None
         self._burst_seq = 0
         self._sampler: ServerSampler | None = None  # issue 9
+        # issue 15: each worker's wall-clock offset to this master (set up on a master)
+        self.clock_sync: ClockSync | None = None
 
     @property
     def distributed(self) -> bool:
@@ -65,6 +68,11 @@ class Coordinator:
         run_id = _run_id(opts)
         run_dir = opts.run_dir or str(Path("runs") / run_id)
         indexes = self.workers()
+        runner = self.env.runner
+        if self.clock_sync is not None and isinstance(runner, MasterRunner):
+            # every worker's offset fresh before the plan's wall instants go out
+            ids = [c.id for c in runner.clients.values() if c.state != "missing"]
+            self.clock_sync.ensure(ids, max_age_s=5.0)
         delay = max(float(opts.start_delay), 0.2)
         self.stats = LiveStats()
         self.reports = {}
@@ -245,6 +253,9 @@ class Coordinator:
                 entry.setdefault("status", "missing")
                 entry["status"] = "missing" if entry["status"] != "reported" else "reported"
                 incomplete = True
+            clock = self._clock_of(name)
+            if clock is not None:
+                entry["master_clock_sync"] = clock
             workers.append(entry)
         index = {
             "schema": INDEX_SCHEMA,
@@ -256,10 +267,39 @@ class Coordinator:
             "options": _options_snapshot(options(self.env)),
             "target": self.env.host,
             "workers": workers,
-            "bursts": self.bursts,
+            "bursts": [{**b, **burst_spread(b["id"], self.reports.values())} for b in self.bursts],
         }
         _write_json(plan.run_dir, "client/index.json", index)
         return index
+
+    def _clock_of(self, name: str) -> dict[str, Any] | None:
+        """The master's latest offset measurement of the worker called `name`."""
+        runner = self.env.runner
+        if self.clock_sync is None or not isinstance(runner, MasterRunner):
+            return None
+        for cid in list(self.clock_sync.latest):
+            if f"w{runner.get_worker_index(cid):02d}" == name:
+                return self.clock_sync.for_client(cid)
+        return None
+
+
+def burst_spread(burst_id: str, reports: Any) -> dict[str, Any]:
+    """A burst's spread across workers: its last actual send minus its first, both on the
+    master's wall clock (each worker converted its sends with its measured offset)."""
+    firsts: list[int] = []
+    lasts: list[int] = []
+    for rep in reports:
+        for b in rep.get("bursts") or []:
+            if b.get("id") == burst_id and b.get("first_send_master_ns") is not None:
+                firsts.append(int(b["first_send_master_ns"]))
+                lasts.append(int(b["last_send_master_ns"]))
+    if not firsts:
+        return {"spread_ms": None, "workers_sent": 0}
+    return {
+        "spread_ms": (max(lasts) - min(firsts)) / 1e6,
+        "workers_sent": len(firsts),
+        "first_send_master_ns": min(firsts),
+    }
 
 
 def _options_snapshot(opts: Any) -> dict[str, Any]:

@@ -122,6 +122,22 @@ def _add_options(parser: Any) -> None:
         help="master: sample the target's /metrics and process into server/ every N s (0: off)",
     )
     opt("--server-metrics-url", default="", ui=False, help="default: TARGET/metrics")
+    # issue 15: clocks across hosts, and RTT/jitter to the target (spec §5)
+    opt(
+        "--clock-sync-every",
+        type=float,
+        default=30.0,
+        ui=False,
+        help="master: measure each worker's clock offset again every N s (0: at connect only)",
+    )
+    opt(
+        "--rtt-samples",
+        type=int,
+        default=8,
+        ui=False,
+        help="connect and /health round trips to the target per round, per worker (0: off)",
+    )
+    opt("--rtt-every", type=float, default=60.0, ui=False, help="a round every N s (0: once)")
     opt(
         "--server-pid",
         type=int,
@@ -160,11 +176,19 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         runner.register_message("calculet_burst", _on_burst_msg)
         runner.register_message("calculet_target", _on_target_msg)
         runner.register_message("calculet_stop", _on_stop_msg)
+        from calculet_load import locust_clocksync
+
+        locust_clocksync.install_worker(runner)  # issue 15: answer the master's clock pings
         from calculet_load import locust_cells
 
         locust_cells.install_worker(runner)  # the shares of a distributed `accept`
     if isinstance(runner, MasterRunner):
         runner.register_message("calculet_parts", _on_parts_msg)
+        from calculet_load.locust_clocksync import ClockSync
+
+        assert STATE.master is not None
+        sync = STATE.master.clock_sync = ClockSync(runner)  # issue 15
+        sync.start(lambda: float(options(environment).clock_sync_every))
     if environment.web_ui is not None:
         from calculet_load import locust_webui
 
@@ -198,10 +222,17 @@ def option_problems(opts: Any) -> list[str]:
         problems.append(f"--burstiness must be > 0, got {opts.burstiness}")
     if opts.max_in_flight < 1:
         problems.append(f"--max-in-flight must be >= 1, got {opts.max_in_flight}")
+    if not 0 <= opts.rtt_samples <= 1000:
+        problems.append(f"--rtt-samples must be in 0..1000, got {opts.rtt_samples}")
     try:
         _mix(opts)
         if opts.manifest:
-            load_manifest(opts.manifest)
+            manifest = load_manifest(opts.manifest)
+            if manifest.environment.vpn_in_path and opts.rtt_samples < 2:  # spec §5
+                problems.append(
+                    "environment.vpn_in_path is true: RTT and jitter must be measured "
+                    f"(--rtt-samples >= 2, got {opts.rtt_samples})"
+                )
     except (MixError, ManifestError) as exc:
         problems.append(str(exc))
     return problems

@@ -23,12 +23,15 @@ import gevent.event
 import gevent.pool
 from locust.env import Environment
 
+from calculet_load import locust_clocksync
 from calculet_load.arrivals import RateClock, Schedule, load_replay
 from calculet_load.client import Outcome, Timeouts
-from calculet_load.clock import clock_provenance
+from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.events import events as cl_events
 from calculet_load.livestats import LiveStats
 from calculet_load.mixes import Mix, MixChooser, load_mix, single
+from calculet_load.netprobe import measure_round
+from calculet_load.schema.clocks import rtt_summary
 from calculet_load.schema.manifest import load_manifest
 from calculet_load.schema.records import RequestRecord
 from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch, sleep_until
@@ -39,6 +42,8 @@ from calculet_load.workload import Prompt, PromptFactory, WorkloadError, http_to
 log = logging.getLogger("calculet_load")
 
 OPEN_LOOP = ("poisson", "constant", "gamma", "replay")
+RTT_ROUNDS_KEEP = 60  # during-run RTT rounds kept for the index (a 72-hour run: the last)
+RTT_SETTLE_S = 1.0  # the first RTT round starts this long after the worker gets its plan
 ARRIVALS = ("closed", *OPEN_LOOP, "burst")
 PROTOCOLS = ("llama", "openai-chat", "openai-completions")
 
@@ -134,8 +139,16 @@ class Worker:
         for at_ns, rate in plan.rate_changes:
             self.rate_clock.change(at_ns, rate)
         self.plan_changed = gevent.event.Event()
-        # the schedule's origin on this process's monotonic clock
-        self.origin_mono = time.monotonic_ns() + (plan.origin_wall_ns - time.time_ns())
+        # the schedule's origin on this process's monotonic clock: the master's wall
+        # instant, moved onto this worker's wall clock by the measured offset
+        self.clock = SystemClock()
+        self.offset = locust_clocksync.LOCAL
+        self.origin_mono = self.offset.mono_at(plan.origin_wall_ns)
+        self._anchor = ClockAnchor.take(self.clock)
+        self.burst_sends: dict[str, list[int]] = {}  # burst id -> [first t0, last t0, sent]
+        self.session.hooks.append(self._note_burst_send)
+        self.rtt_rounds: list[dict[str, Any]] = []
+        self._rtt = gevent.spawn(self._rtt_loop, host.rstrip("/"))
         self.token_events_seen = 0
         cl_events.token_event.add_listener(self._on_token_event)
         self.watch = SelfWatch(
@@ -209,6 +222,51 @@ class Worker:
             exception=exc,
             context={},
         )
+
+    def _note_burst_send(self, record: RequestRecord, out: Outcome) -> None:
+        """Each burst's first and last actual send (t0), for its spread across workers."""
+        t0 = record.client_ns.request_start
+        if record.ext.burst_id is None or t0 is None:
+            return
+        s = self.burst_sends.setdefault(record.ext.burst_id, [t0, t0, 0])
+        s[0], s[1], s[2] = min(s[0], t0), max(s[1], t0), s[2] + 1
+
+    def _rtt_loop(self, url: str) -> None:
+        """RTT and jitter to the target (§5): one round before the schedule starts, then
+        one every --rtt-every s while the run goes on (0: the first only)."""
+        samples = int(getattr(self.opts, "rtt_samples", 0) or 0)
+        every_s = float(getattr(self.opts, "rtt_every", 0.0) or 0.0)
+        phase = "before"
+        # the worker's own start-up (imports, the sink's thread, Locust's spawn) competes
+        # for the CPU in its first second: measured, it stretched round trips by up to 25 ms
+        gevent.sleep(RTT_SETTLE_S)
+        while samples > 0 and not self.stopping:
+            try:  # a native thread: the round trips are not stretched by this loop's lag
+                pool = gevent.get_hub().threadpool
+                row = pool.apply(measure_round, (url, samples), {"clock": self.clock})
+            except ValueError as exc:
+                log.warning("%s: no RTT measurement: %s", self.name, exc)
+                return
+            self.rtt_rounds.append({"phase": phase, **row})
+            del self.rtt_rounds[1:-RTT_ROUNDS_KEEP]  # the first ("before") and the latest
+            if every_s <= 0:
+                return
+            phase = "during"
+            gevent.sleep(every_s)  # stop() kills this greenlet
+
+    def target_rtt(self) -> dict[str, Any]:
+        """The rounds measured, and the first round's figures as the run's "before"."""
+        before = next((r for r in self.rtt_rounds if r["phase"] == "before"), None)
+        during = [r for r in self.rtt_rounds if r["phase"] == "during"]
+        pooled = {  # the during-run rounds pooled by their medians (each round is bounded)
+            kind: rtt_summary([int(r[kind]["p50_ms"] * 1e6) for r in during if r[kind]["n"]])
+            for kind in ("connect", "health")
+        }
+        return {
+            "before": None if before is None else {k: before[k] for k in ("connect", "health")},
+            "during_medians": pooled,
+            "rounds": self.rtt_rounds,
+        }
 
     def _on_token_event(self, **_kw: Any) -> None:
         self.token_events_seen += 1
@@ -313,7 +371,7 @@ class Worker:
     def burst(self, burst_id: str, fire_at_wall_ns: int, n: int, first_k: int) -> None:
         if n <= 0:
             return
-        deadline = time.monotonic_ns() + (fire_at_wall_ns - time.time_ns())
+        deadline = self.offset.mono_at(fire_at_wall_ns)  # the master's instant, our clock
         try:
             specs_k = [first_k + i for i in range(n)]
             for k in specs_k:
@@ -322,7 +380,7 @@ class Worker:
         except (WorkloadError, OSError) as exc:
             log.error("%s: burst %s: cannot prepare: %s", self.name, burst_id, exc)
         sleep_until(deadline)
-        sent_wall = time.time_ns()
+        sent_wall = self.clock.wall_ns()
         for k in specs_k:
             self._fire(k, deadline, burst_id=burst_id)
         self.bursts.append(
@@ -330,7 +388,9 @@ class Worker:
                 "id": burst_id,
                 "n": n,
                 "fired_wall_ns": sent_wall,
-                "late_ms": (time.monotonic_ns() - deadline) / 1e6,
+                "fired_master_ns": self.offset.to_master_ns(sent_wall),
+                "master_offset_ns": self.offset.offset_ns,
+                "late_ms": (self.clock.mono_ns() - deadline) / 1e6,
             }
         )
 
@@ -338,6 +398,7 @@ class Worker:
     def stop(self, timeout_s: float) -> None:
         self.stopping = True
         self.plan_changed.set()
+        self._rtt.kill(block=False)
         if self.dispatcher is not None:
             self.dispatcher.join(timeout=5)
             self.dispatcher.kill()
@@ -369,9 +430,20 @@ class Worker:
             "late": self.stats.counters["late"],
             "cut_at_stop": self.abandoned,
             **clock_provenance(),
-            "bursts": self.bursts,
+            "master_clock": self.offset.snapshot(),
+            "target_rtt": self.target_rtt(),
+            "bursts": [{**b, **self._burst_sent(b["id"])} for b in self.bursts],
             "sink": dataclasses.asdict(self.sink.stats),
         }
+
+    def _burst_sent(self, burst_id: str) -> dict[str, Any]:
+        """A burst's actual first and last send on the master's wall clock (through this
+        worker's anchor and measured offset), and how many were sent."""
+        s = self.burst_sends.get(burst_id)
+        if s is None:
+            return {"sent": 0}
+        first, last = (self.offset.to_master_ns(self._anchor.wall_ns_at(t)) for t in s[:2])
+        return {"sent": s[2], "first_send_master_ns": first, "last_send_master_ns": last}
 
 
 class RequestFailed(Exception):

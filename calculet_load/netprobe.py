@@ -1,0 +1,139 @@
+"""Round trips to the target (spec §5: RTT and jitter, above all with a VPN in the path).
+
+One sample opens a fresh TCP connection (the connect round trip: SYN to SYN-ACK, as
+the kernel completes it), sends `GET /health` on it and waits for the end of the
+response headers (the request/response round trip, which also holds the server's time
+to answer /health). A round is a small bounded number of samples, one after another;
+each sample is bounded by its timeout, so a round ends by itself. Figures per round come
+from calculet_load.schema.clocks.rtt_summary (jitter = standard deviation, ms).
+
+The round uses the standard library's own socket and sleep, even where gevent has
+patched them: a Locust worker runs it in a native thread (`gevent.get_hub().threadpool`),
+so a round trip is stamped when the kernel hands over the bytes, not when a busy event
+loop gets round to it (a greenlet measured 5 ms more during a worker's start-up). Plain
+`http` targets only: for `https` the /health round trip is not taken.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from calculet_load.clock import Clock, SystemClock
+from calculet_load.schema.clocks import rtt_summary
+
+__all__ = ["measure_round"]
+
+
+def _original(module: str, name: str) -> Any:
+    """The standard library's `module.name`, as it was before any gevent patching."""
+    try:
+        from gevent.monkey import get_original
+    except ImportError:  # pragma: no cover - gevent is a dependency
+        return getattr(__import__(module), name)
+    return get_original(module, name)
+
+
+# the class and functions themselves: socket.create_connection would look up the patched
+# socket class at call time
+_Socket: type[socket.socket] = _original("socket", "socket")
+_getaddrinfo: Callable[..., Any] = _original("socket", "getaddrinfo")
+_sleep: Callable[[float], None] = _original("time", "sleep")
+
+
+def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    family, kind, proto, _, address = _getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+    sock = _Socket(family, kind, proto)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+MAX_SAMPLES = 1000
+HEADER_LIMIT = 65536
+
+
+def _address(url: str) -> tuple[str, int, bool]:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    tls = parts.scheme == "https"
+    return parts.hostname, parts.port or (443 if tls else 80), tls
+
+
+def _one(host: str, port: int, tls: bool, clock: Clock, timeout_s: float) -> tuple[int, int | None]:
+    """(connect ns, /health ns or None) of one fresh connection; OSError if it fails."""
+    t0 = clock.mono_ns()
+    sock = _connect(host, port, timeout_s)
+    try:
+        t1 = clock.mono_ns()
+        if tls:
+            return t1 - t0, None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        req = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+        t2 = clock.mono_ns()
+        sock.sendall(req.encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise OSError("connection closed before the /health response headers")
+            got += chunk
+            if len(got) > HEADER_LIMIT:
+                raise OSError("no end of headers in the /health response")
+        t3 = clock.mono_ns()
+        return t1 - t0, t3 - t2
+    finally:
+        sock.close()
+
+
+def measure_round(
+    url: str,
+    samples: int,
+    *,
+    clock: Clock | None = None,
+    timeout_s: float = 2.0,
+    gap_s: float = 0.02,
+) -> dict[str, Any]:
+    """`samples` connect and /health round trips to `url`'s host, one after another.
+
+    Returns {"wall_ns", "samples", "errors", "last_error", "connect": summary,
+    "health": summary}; a failed sample counts in `errors` and adds no round trip.
+    """
+    if not 0 <= samples <= MAX_SAMPLES:
+        raise ValueError(f"samples must be in 0..{MAX_SAMPLES}, got {samples}")
+    clock = clock or SystemClock()
+    host, port, tls = _address(url)
+    connect: list[int] = []
+    health: list[int] = []
+    errors = 0
+    last_error: str | None = None
+    wall = clock.wall_ns()
+    for i in range(samples):
+        if i:
+            _sleep(gap_s)
+        try:
+            c, h = _one(host, port, tls, clock, timeout_s)
+        except OSError as exc:
+            errors += 1
+            last_error = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        connect.append(c)
+        if h is not None:
+            health.append(h)
+    return {
+        "wall_ns": wall,
+        "samples": samples,
+        "errors": errors,
+        "last_error": last_error,
+        "connect": rtt_summary(connect),
+        "health": rtt_summary(health),
+        "connect_us": [c // 1000 for c in connect],  # the samples, bounded by `samples`
+        "health_us": [h // 1000 for h in health],
+    }
