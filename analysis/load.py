@@ -47,6 +47,7 @@ from calculet_load.schema.arrow import (
     selfwatch_schema,
     token_event_schema,
 )
+from calculet_load.schema.clocks import rtt_measured
 from calculet_load.schema.records import (
     ADDED_REQUEST_COLUMNS,
     REQUEST_SCHEMA,
@@ -534,6 +535,7 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
     golden_doc = _read_json(fs, gpath) if _exists(fs, gpath) else None
     golden = _golden_expected(golden_doc, gpath)
     client_offsets, server_offset = _offsets(index, fs, root)
+    _check_vpn(manifest, index, mpath)
     return RunData(
         uri=uri,
         requests=tables["requests"],
@@ -552,6 +554,16 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
         server_offset_ns=server_offset,
         notes=notes,
     )
+
+
+def _check_vpn(manifest: dict[str, Any] | None, index: Any, where: str) -> None:
+    """Spec §5: with a VPN in the path, RTT and jitter to the target must be measured."""
+    env = (manifest or {}).get("environment")
+    if isinstance(env, dict) and env.get("vpn_in_path") is True and not rtt_measured(index):
+        raise ArtifactError(
+            f"{where}: environment.vpn_in_path is true but the run measured no RTT/jitter "
+            "to the target (client/index.json workers[].target_rtt; --rtt-samples >= 2)"
+        )
 
 
 def _golden_expected(doc: Any, where: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from analysis.netview import bursts_table, network_table, rtt_measured
 from analysis.runfiles import redact
 from analysis.viewmodel import (
     Banner,
@@ -266,6 +267,9 @@ def provenance_section(rv: RunView, base: RunView | None) -> Section:
     if rv.table is not None:
         s.tables.append(_versions(rv))
         s.tables.append(_hosts(rv))
+    for extra in (network_table(rv.index), bursts_table(rv.index)):  # issue 15
+        if extra is not None:
+            s.tables.append(extra)
     s.intro.append(_clocks(rv))
     return s
 
@@ -347,11 +351,9 @@ def _clocks(rv: RunView) -> str:
         if rv.files.exists("server/clock.json")
         else "server clock offset: not recorded (no server/clock.json)"
     )
-    keys = {k for w in (rv.index or {}).get("workers") or [] if isinstance(w, dict) for k in w}
-    rtt = sorted(k for k in keys if "rtt" in k.lower() or "jitter" in k.lower())
     net = (
-        f"network RTT/jitter recorded per worker in client/index.json: {', '.join(rtt)}"
-        if rtt
+        "network RTT/jitter to the target: measured by each worker (table 'network')"
+        if rtt_measured(rv.index)
         else "network RTT/jitter: not recorded by this run; time no trace explains is shown "
         "as 'unattributed' (client + network) in the breakdowns"
     )

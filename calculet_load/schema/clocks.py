@@ -30,6 +30,7 @@ __all__ = [
     "best_sample",
     "exchange",
     "from_reference_ns",
+    "rtt_measured",
     "rtt_summary",
     "to_reference_ns",
 ]
@@ -106,3 +107,17 @@ def rtt_summary(rtts_ns: Sequence[int]) -> dict[str, float | int | None]:
         "max_ms": ordered[-1] / 1e6,
         "jitter_ms": math.sqrt(var) / 1e6,
     }
+
+
+def rtt_measured(index: Any) -> bool:
+    """Whether a `client/index.json` document holds round trips to the target that some
+    worker measured (`workers[].target_rtt.before.{connect,health}.n` > 0; spec §5)."""
+    workers = index.get("workers") if isinstance(index, dict) else None
+    for w in workers if isinstance(workers, list) else []:
+        rtt = w.get("target_rtt") if isinstance(w, dict) else None
+        before = rtt.get("before") if isinstance(rtt, dict) else None
+        if isinstance(before, dict) and any(
+            isinstance(s, dict) and s.get("n") for s in before.values()
+        ):
+            return True
+    return False

@@ -1,0 +1,83 @@
+"""Spec §5 with a VPN in the path, and the report's clocks-and-network tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from analysis.errors import ArtifactError
+from analysis.load import load_run
+from analysis.netview import bursts_table, network_table
+from tests.analysis.runs import MS, RunBuilder, request
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _round(mean_ms: float, jitter_ms: float, n: int = 8) -> dict[str, Any]:
+    return {"n": n, "min_ms": mean_ms - jitter_ms, "p50_ms": mean_ms, "mean_ms": mean_ms,
+            "max_ms": mean_ms + jitter_ms, "jitter_ms": jitter_ms}  # fmt: skip
+
+
+def _worker_entry(**extra: Any) -> dict[str, Any]:
+    return {"worker": "w00", "status": "reported", "parts": [], **extra}
+
+
+TARGET_RTT = {
+    "before": {"connect": _round(0.3, 0.05), "health": _round(100.0, 20.0)},
+    "during_medians": {"connect": _round(0.3, 0.0, 2), "health": _round(101.0, 1.0, 2)},
+    "rounds": [],
+}
+
+
+def _run(tmp_path: Path, vpn: bool, worker: dict[str, Any]) -> str:
+    b = RunBuilder(tmp_path).add(request("a", t0=10 * MS)).complete_index()
+    assert b.index is not None
+    b.index["workers"] = [worker]
+    run_dir = b.write()
+    manifest = yaml.safe_load((REPO / "configs" / "manifest.sim.yaml").read_text())
+    manifest["environment"]["vpn_in_path"] = vpn
+    (tmp_path / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    return run_dir
+
+
+def test_vpn_in_path_without_measured_rtt_is_an_artifact_error(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path, True, _worker_entry())
+    with pytest.raises(ArtifactError, match=r"environment\.vpn_in_path") as err:
+        load_run(run_dir)
+    assert err.value.exit_code == 2
+    assert "\n" not in str(err.value)
+
+
+def test_vpn_in_path_with_measured_rtt_loads(tmp_path: Path) -> None:
+    run = load_run(_run(tmp_path, True, _worker_entry(target_rtt=TARGET_RTT)))
+    assert run.requests.num_rows == 1
+
+
+def test_no_vpn_needs_no_rtt(tmp_path: Path) -> None:
+    assert load_run(_run(tmp_path, False, _worker_entry())).requests.num_rows == 1
+
+
+def test_network_and_burst_tables_show_what_the_index_recorded() -> None:
+    sync = {"master_offset_ns": -200_001_000, "master_rtt_ns": 310_000}
+    index = {
+        "workers": [
+            _worker_entry(master_clock_sync=sync, target_rtt=TARGET_RTT),
+            {"worker": "w01", "status": "reported"},  # recorded nothing: no row
+        ],
+        "bursts": [
+            {"id": "r.b0001", "size": 2, "workers_sent": 2, "spread_ms": 0.77},
+            {"id": "r.b0002", "size": 2, "workers_sent": 0, "spread_ms": None},  # after stop
+        ],
+    }
+    net = network_table(index)
+    assert net is not None
+    assert net.rows == (
+        ("w00", "-200.001 ms", "0.310 ms", "0.3000 ms", "100.0 ms", "20.00 ms", "101.0 ms", "8"),
+    )
+    bursts = bursts_table(index)
+    assert bursts is not None and bursts.rows == (("r.b0001", "2", "2", "0.7700 ms"),)
+    assert network_table({"workers": [{"worker": "w00"}]}) is None
+    assert bursts_table({}) is None
