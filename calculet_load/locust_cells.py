@@ -56,6 +56,7 @@ from calculet_load.cellrun import CellRunner, FleetError, Share
 from calculet_load.client import Timeouts
 from calculet_load.clock import clock_provenance
 from calculet_load.locust_clocksync import LOCAL, ClockSync
+from calculet_load.netprobe import RttRounds
 from calculet_load.schema.records import Hardware, Software
 from calculet_load.selfwatch import SelfWatch
 from calculet_load.session import RunContext, Session
@@ -337,6 +338,7 @@ class Agent:
         self.cells = CellRunner(self.session, self.prompt)
         self.pending: dict[str, Share] = {}
         self.shipped: set[str] = set()
+        self.rtt = RttRounds(target["url"])  # issue 15: RTT and jitter from this host (§5)
 
     def prompt(self, tokens: int, sample: int) -> Prompt:
         key = (tokens, sample)
@@ -360,7 +362,8 @@ class Agent:
         self.watch.stop()
         self.session.close()
         stats = self.sink.close()
-        return {**_worker_info(self.name), "sink": dataclasses.asdict(stats)}
+        return {**_worker_info(self.name), "sink": dataclasses.asdict(stats),
+                "target_rtt": self.rtt.record()}  # fmt: skip
 
 
 AGENTS: dict[str, Agent] = {}  # run id -> this worker's agent
@@ -386,7 +389,8 @@ def _on_share(environment: Environment, msg: Any, **_kw: Any) -> None:
         agent = AGENTS.get(job["run_id"])
         if agent is None:
             agent = AGENTS[job["run_id"]] = Agent(job)
-            info = _worker_info(agent.name)
+            agent.rtt.take("before")
+            info = {**_worker_info(agent.name), "target_rtt": agent.rtt.record()}
         share = Share.from_wire(msg.data["share"])
         agent.cells.prepare(share)
         agent.session.pool.prewarm(min(share.count, share.cell.max_in_flight))
@@ -417,6 +421,7 @@ def _on_go(environment: Environment, msg: Any, **_kw: Any) -> None:
     data = {"task": task, "worker": agent.name, "sent": sent, "parts": agent.new_parts(),
             "error": error}  # fmt: skip
     _reply(environment, "calculet_done", data)
+    agent.rtt.take("during")  # after the reply, at most once a minute: never delays a step
 
 
 def _on_end(environment: Environment, msg: Any, **_kw: Any) -> None:

@@ -30,8 +30,7 @@ from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.events import events as cl_events
 from calculet_load.livestats import LiveStats
 from calculet_load.mixes import Mix, MixChooser, load_mix, single
-from calculet_load.netprobe import measure_round
-from calculet_load.schema.clocks import rtt_summary
+from calculet_load.netprobe import measure_round, rounds_record
 from calculet_load.schema.manifest import load_manifest
 from calculet_load.schema.records import RequestRecord
 from calculet_load.selfwatch import TIMER_SLACK_S, SelfWatch, sleep_until
@@ -256,17 +255,7 @@ class Worker:
 
     def target_rtt(self) -> dict[str, Any]:
         """The rounds measured, and the first round's figures as the run's "before"."""
-        before = next((r for r in self.rtt_rounds if r["phase"] == "before"), None)
-        during = [r for r in self.rtt_rounds if r["phase"] == "during"]
-        pooled = {  # the during-run rounds pooled by their medians (each round is bounded)
-            kind: rtt_summary([int(r[kind]["p50_ms"] * 1e6) for r in during if r[kind]["n"]])
-            for kind in ("connect", "health")
-        }
-        return {
-            "before": None if before is None else {k: before[k] for k in ("connect", "health")},
-            "during_medians": pooled,
-            "rounds": self.rtt_rounds,
-        }
+        return rounds_record(self.rtt_rounds)
 
     def _on_token_event(self, **_kw: Any) -> None:
         self.token_events_seen += 1

@@ -24,7 +24,9 @@ from urllib.parse import urlsplit
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.schema.clocks import rtt_summary
 
-__all__ = ["measure_round"]
+__all__ = ["RttRounds", "measure_round", "rounds_record"]
+
+ROUNDS_KEEP = 60  # rounds kept after the first (a 72-hour run keeps the latest)
 
 
 def _original(module: str, name: str) -> Any:
@@ -137,3 +139,60 @@ def measure_round(
         "connect_us": [c // 1000 for c in connect],  # the samples, bounded by `samples`
         "health_us": [h // 1000 for h in health],
     }
+
+
+def rounds_record(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """`target_rtt` of a worker's entry in client/index.json: the first round ("before"
+    the load), the later rounds' medians pooled ("during"), and the rounds themselves."""
+    before = next((r for r in rounds if r.get("phase") == "before"), None)
+    during = [r for r in rounds if r.get("phase") == "during"]
+    pooled = {
+        kind: rtt_summary([int(r[kind]["p50_ms"] * 1e6) for r in during if r[kind]["n"]])
+        for kind in ("connect", "health")
+    }
+    return {
+        "before": None if before is None else {k: before[k] for k in ("connect", "health")},
+        "during_medians": pooled,
+        "rounds": rounds,
+    }
+
+
+class RttRounds:
+    """Rounds taken now and then by a process that sends load itself (an `accept` run):
+    `take("before")` once, then `take("during")` at most every `every_s`. Under gevent a
+    round runs in the hub's native thread pool, so the event loop is not held up."""
+
+    def __init__(self, url: str, samples: int = 8, every_s: float = 60.0) -> None:
+        self.url = url
+        self.samples = samples
+        self.every_s = every_s
+        self.clock = SystemClock()
+        self.rounds: list[dict[str, Any]] = []
+        self._last_mono_ns: int | None = None
+
+    def take(self, phase: str) -> None:
+        now = self.clock.mono_ns()
+        if self.samples <= 0 or (
+            phase == "during"
+            and self._last_mono_ns is not None
+            and now - self._last_mono_ns < self.every_s * 1e9
+        ):
+            return
+        self._last_mono_ns = now
+        try:
+            row = _off_loop(self.url, self.samples, self.clock)
+        except ValueError:
+            return  # not an http(s) URL: nothing to measure
+        self.rounds.append({"phase": phase, **row})
+        del self.rounds[1:-ROUNDS_KEEP]
+
+    def record(self) -> dict[str, Any]:
+        return rounds_record(self.rounds)
+
+
+def _off_loop(url: str, samples: int, clock: Clock) -> dict[str, Any]:
+    try:
+        import gevent
+    except ImportError:  # pragma: no cover - gevent is a dependency
+        return measure_round(url, samples, clock=clock)
+    return dict(gevent.get_hub().threadpool.apply(measure_round, (url, samples), {"clock": clock}))

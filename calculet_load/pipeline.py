@@ -56,6 +56,7 @@ from calculet_load.client import Timeouts, run_in_greenlet
 from calculet_load.clock import clock_provenance
 from calculet_load.matrix import Cell, GoldenSet, Matrix, MatrixError, load_golden, load_matrix
 from calculet_load.mixes import MixError, load_mix, single
+from calculet_load.netprobe import RttRounds
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.selfwatch import SelfWatch
 from calculet_load.session import RequestSpec, RunContext, Session, golden_spec
@@ -150,6 +151,7 @@ class Pipeline:
         self.url = (opts.url or (target.url if target else "")).rstrip("/")
         if not self.url:
             raise Stop(EXIT_INVALID, "target: no --url and no target.url in the manifest")
+        self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
         self.protocol = target.protocol if target else "llama"
         self.model = target.model if target else None
         self.run_dir = Path(opts.run_dir or Path("runs") / self.manifest.run_id)
@@ -337,6 +339,7 @@ class Pipeline:
             checked.append("served compiled batch")
         self.log.write("release", "end", checked=checked, health=health.get("status"), batch=batch)
         self.say(f"release verified ({', '.join(checked) or 'manifest only'})")
+        self.rtt.take("before")
 
     # --------------------------------------------------------------- workers
     def _start_fleet(self) -> None:
@@ -566,6 +569,7 @@ class Pipeline:
             gevent.sleep(self.o.idle_gap_s)
 
     def _run_cell(self, cell: Cell, reps: int, seed: int) -> int:
+        self.rtt.take("during")  # between cells, at most once a minute
         mix = load_mix(cell.mix) if cell.mix else single(cell.prompt_tokens, cell.max_tokens)
         steps = split(cell, mix, reps, seed, self.clients.processes)
         lead = OPEN_LEAD_S if cell.kind == "open" else BURST_LEAD_S
@@ -641,7 +645,8 @@ class Pipeline:
             if info.exists():
                 entry = json.loads(info.read_text())
             else:
-                entry = {"host": socket.gethostname(), "pid": os.getpid(), **clock_provenance()}
+                entry = {"host": socket.gethostname(), "pid": os.getpid(), **clock_provenance(),
+                         "target_rtt": self.rtt.record()}  # fmt: skip
             if folder.name == self.worker:
                 entry["sink"] = dataclasses.asdict(self.sink.stats)
             status = "reported"

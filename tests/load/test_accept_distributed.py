@@ -134,6 +134,11 @@ def test_local_workers_share_every_load_shape_and_the_index_lists_them(
         assert workers[name]["parts"], name
         assert "clock_anchor" in workers[name]
         assert (run_dir / "client" / name / "worker.json").exists()
+        # issue 15: the master measured the worker's clock (one host: offset about 0)
+        sync = workers[name]["master_clock_sync"]
+        assert abs(sync["master_offset_ns"]) <= sync["master_rtt_ns"] // 2 + 200_000, sync
+    for name in ("w00", "w01", "w02"):  # RTT to the target from every sending process
+        assert workers[name]["target_rtt"]["before"]["health"]["n"] == 8, workers[name]
     events = read_events(run_dir)
     order = [e["step"] for e in events]
     assert order.index("workers") < order.index("golden_before") < order.index("matrix")
