@@ -200,10 +200,12 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
 
 
 def _validate(opts: Any) -> None:
-    """Bad options fail at start with one line naming the option."""
+    """Bad options fail at start with one line naming the option, exit 2 (invalid input,
+    as a bad manifest is everywhere in calculet-load)."""
     problems = option_problems(opts)
     if problems:
-        raise SystemExit("calculet-load: " + "; ".join(problems))
+        print("calculet-load: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(int(ExitCode.INVALID_ARTIFACT))
 
 
 def option_problems(opts: Any) -> list[str]:
