@@ -400,6 +400,8 @@ class CalculetUser(User):
         if w is None or w.plan.arrival != "closed" or w.stopping:
             gevent.sleep(0.5)
             return
+        if not w.wait_ready(1.0):  # prompts and connections first: start-up is not load
+            return
         try:
             w.closed_request()
         except (WorkloadError, OSError) as exc:

@@ -157,11 +157,15 @@ class Worker:
             token_events=lambda: self.token_events_seen,
             on_sample=self._on_selfwatch,
         )
-        self.watch.start()
+        self.watch.start(warmup=True)
         self.dispatcher: gevent.Greenlet[..., Any] | None = None
         self.bursts: list[dict[str, Any]] = []
         self.cpu_percent = 0.0
         self.abandoned = 0
+        # issue 15: start-up is not load. Nothing is sent before prompts, tokenization
+        # and connections are ready; the self-watch marks the time before as warm-up.
+        self.ready = gevent.event.Event()
+        self._prep = gevent.spawn(self._prepare)
 
     # --- prompts ------------------------------------------------------------------
     def prompt(self, tokens: int, sample: int) -> Prompt:
@@ -180,6 +184,27 @@ class Worker:
         for entry in self.mix.entries:
             for sample in range(entry.samples):
                 self.prompt(entry.prompt_tokens, sample)
+
+    def _prepare(self) -> None:
+        """Every prompt of the mix built and tokenized, and a connection open per user
+        of this process (closed loop) or a few (open loop), before the first request."""
+        try:
+            self.prepare_prompts()
+            slots = max(len(self.plan.slots), 1)
+            if self.plan.arrival == "closed":
+                n = -(-max(self.target_users, 1) // slots)
+            else:
+                n = 4
+            self.session.pool.prewarm(min(n, max(int(self.opts.max_in_flight), 1)))
+        except (WorkloadError, OSError) as exc:  # the first request reports it as data
+            log.error("%s: cannot prepare the load: %s", self.name, exc)
+        finally:
+            self.watch.end_warmup()
+            self.ready.set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether this process's load is prepared (waiting up to `timeout_s`)."""
+        return bool(self.ready.wait(timeout_s))
 
     def spec_for(self, k: int, **kw: Any) -> RequestSpec:
         entry, sample = self.chooser.entry_for(k)
@@ -284,8 +309,9 @@ class Worker:
 
     def _dispatch(self) -> None:
         opts = self.opts
+        self.ready.wait()
         try:
-            self.prepare_prompts()
+            self.prepare_prompts()  # built by _prepare: this only finds its failure
         except (WorkloadError, OSError) as exc:
             log.error("%s: cannot prepare prompts: %s", self.name, exc)
             return
@@ -388,6 +414,7 @@ class Worker:
         self.stopping = True
         self.plan_changed.set()
         self._rtt.kill(block=False)
+        self._prep.kill(block=False)
         if self.dispatcher is not None:
             self.dispatcher.join(timeout=5)
             self.dispatcher.kill()
