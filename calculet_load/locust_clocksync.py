@@ -124,7 +124,10 @@ class ClockSync:
         """`rounds` exchanges with one worker; the least-round-trip sample is kept, sent to
         the worker and returned (None: no answer within the rounds' timeouts)."""
         samples: list[OffsetSample] = []
+        silent = 0
         for _ in range(rounds):
+            if silent >= 2:  # not answering (gone, or without our handler): do not stall
+                break
             seq = next(self._seq)
             waiter = gevent.event.AsyncResult()
             self._waiting[(client_id, seq)] = waiter
@@ -135,9 +138,11 @@ class ClockSync:
                 )
                 t2, t3, t4 = waiter.get(timeout=ROUND_TIMEOUT_S)
             except gevent.Timeout:
+                silent += 1
                 continue
             finally:
                 self._waiting.pop((client_id, seq), None)
+            silent = 0
             samples.append(exchange(t1, int(t2), int(t3), int(t4)))
         best = best_sample(samples)
         if best is None:

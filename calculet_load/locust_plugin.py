@@ -26,6 +26,11 @@ How a run is organised:
 * **Bursts** (`--arrival burst`): the master sends a fire-at wall time ahead; each
   worker opens its connections in advance, waits on its monotonic clock and fires its
   share at once. Every request of a burst carries the burst id.
+* **Clocks** (calculet_load.locust_clocksync): the master measures each worker's
+  wall-clock offset to itself over Locust's message channel (NTP-style) when it
+  connects, before each run and every `--clock-sync-every` s; workers move the
+  master's wall instants (schedule origin, fire-at) onto their own clock with it. Each
+  worker also measures RTT and jitter to the target (calculet_load.netprobe).
 * **Records** go to the worker's own Parquet parts in the run folder; the Locust
   `request` event gets one row per request for TTFT, TPOT and E2E (web UI only).
 """
