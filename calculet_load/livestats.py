@@ -1,4 +1,7 @@
-"""Live figures for the web UI and the console: bounded, mergeable, exact to 1 %.
+"""Live figures of a run (the run's counters, Prometheus): bounded, mergeable, exact to 1 %.
+
+`LogHistogram` is also what the web UI's per-cell LLM table is built of
+(calculet_load.llmstats); that table, unlike these figures, follows Locust's reset.
 
 Workers never ship raw values to the master (a single-threaded master drowns in them,
 `research/locust.md` §5.3). Each worker keeps log-bucket histograms — bucket i holds
@@ -101,18 +104,33 @@ class LogHistogram:
     def value_of(bucket: int) -> float:
         return 0.0 if bucket == _ZERO else GROWTH ** (bucket + 0.5)
 
-    def add(self, value: float) -> None:
-        self.buckets[self.bucket_of(value)] += 1
-        self.count += 1
-        self.sum += value
+    def add(self, value: float, n: int = 1) -> None:
+        """Count `value` `n` times (a per-token figure weighs each token of an event)."""
+        self.buckets[self.bucket_of(value)] += n
+        self.count += n
+        self.sum += value * n
         self.min = min(self.min, value)
         self.max = max(self.max, value)
 
+    def merge(self, other: LogHistogram) -> None:
+        for bucket, n in other.buckets.items():
+            self.buckets[bucket] += n
+        self.count += other.count
+        self.sum += other.sum
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
     def quantile(self, q: float) -> float | None:
-        """Nearest-rank quantile (the ceil(q*n)-th smallest), None with no data."""
+        """The `higher` order statistic x_(k), k = ceil(q·(n−1)) + 1 — analyze's
+        percentile method (analysis.stats.quantile) — read from its bucket; None with
+        no data."""
         if not self.count:
             return None
-        rank = max(1, math.ceil(q * self.count))
+        rank = math.ceil((self.count - 1) * q) + 1
         if rank >= self.count:
             return self.max  # the largest value is kept exactly
         seen = 0
@@ -256,9 +274,6 @@ class LiveStats:
         default_factory=lambda: {n: FixedHistogram(b) for n, b in FIXED_HISTOGRAMS.items()}
     )
     series: dict[SeriesKey, SeriesStats] = dataclasses.field(default_factory=dict)
-    _tokens_seen: collections.deque[tuple[float, int]] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=64)
-    )
 
     def observe(self, name: str, value_ms: float | None) -> None:
         if value_ms is not None:
@@ -317,62 +332,3 @@ class LiveStats:
                 self.in_flight[process] = int(wire["in_flight"])
             if "cpu_percent" in wire:
                 self.cpu_percent[process] = float(wire["cpu_percent"])
-
-    def tokens_per_s(self, window_s: float = 10.0, now: float | None = None) -> float | None:
-        """Output tokens per second over about the last `window_s` seconds."""
-        now = time.monotonic() if now is None else now
-        total = self.counters["output_tokens"]
-        seen = self._tokens_seen
-        if not seen or seen[-1][0] < now - 0.5:
-            seen.append((now, total))
-        while len(seen) > 2 and seen[1][0] <= now - window_s:
-            seen.popleft()
-        t0, n0 = seen[0]
-        if now - t0 < 0.5:
-            return None
-        return (total - n0) / (now - t0)
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The web UI's table: one row per figure."""
-        out: list[dict[str, Any]] = []
-        labels = {
-            "ttft": "TTFT ms (from send)",
-            "ttft_sched": "TTFT ms (from intended arrival)",
-            "tpot": "TPOT ms",
-            "e2e": "E2E ms",
-            "send_lag": "send lag ms (open loop)",
-            "loop_lag": "client loop lag ms",
-        }
-        for name in HISTOGRAMS:
-            h = self.hist[name]
-            out.append(
-                {
-                    "figure": labels[name],
-                    "p50": _fmt(h.quantile(0.50)),
-                    "p90": _fmt(h.quantile(0.90)),
-                    "p99": _fmt(h.quantile(0.99)),
-                    "value": f"n={h.count}",
-                }
-            )
-        tps = self.tokens_per_s()
-        c = self.counters
-        for label, value in (
-            ("output tokens/s", _fmt(tps)),
-            ("requests in flight", sum(self.in_flight.values())),
-            ("requests done", c["requests"]),
-            ("ok", c["ok"]),
-            ("late arrivals", c["late"]),
-            ("dropped arrivals", c["dropped"]),
-            ("token count mismatches", c["count_mismatch"]),
-            ("client CPU % (max process)", _fmt(max(self.cpu_percent.values(), default=None))),
-        ):
-            out.append({"figure": label, "p50": "", "p90": "", "p99": "", "value": value})
-        for cls, n in sorted(self.errors.items()):
-            out.append({"figure": f"errors: {cls}", "p50": "", "p90": "", "p99": "", "value": n})
-        return out
-
-
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "no data"
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"

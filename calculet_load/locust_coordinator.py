@@ -19,6 +19,7 @@ from locust.env import Environment
 from locust.runners import MasterRunner
 
 from calculet_load.livestats import LiveStats
+from calculet_load.llmstats import LLMTable
 from calculet_load.locust_clocksync import ClockSync
 from calculet_load.locust_worker import OPEN_LOOP, Plan, Worker, _run_id, options
 from calculet_load.scrape import ServerSampler, sampler_for_run
@@ -39,6 +40,7 @@ class Coordinator:
         # a run without workers: this process's own Worker (None between runs)
         self.local_worker = local_worker
         self.stats = LiveStats()
+        self.llm = LLMTable()  # issue 15: the LLM tab, CSV and HTML section (merged)
         self.reports: dict[str, dict[str, Any]] = {}
         self.worker_state: dict[str, dict[str, Any]] = {}
         self.plan: Plan | None = None
@@ -75,6 +77,7 @@ class Coordinator:
             self.clock_sync.ensure(ids, max_age_s=5.0)
         delay = max(float(opts.start_delay), 0.2)
         self.stats = LiveStats()
+        self.llm = LLMTable()
         self.reports = {}
         self.bursts = []
         self.started_wall_ns = time.time_ns()
@@ -222,8 +225,16 @@ class Coordinator:
         wire = data.get("calculet")
         if wire:
             self.stats.merge_wire(wire, process=wire.get("worker", client_id))
+            self.llm.merge_wire(wire.get("llm") or {})
+
+    def adopt(self, worker: Worker) -> None:
+        """A local run's own figures become this side's when its worker ends."""
+        self.stats, self.llm = worker.stats, worker.llm
 
     def on_parts(self, report: dict[str, Any]) -> None:
+        llm = report.pop("llm", None)  # a worker's last figures, not part of the index
+        if llm and self.distributed:
+            self.llm.merge_wire(llm)
         self.reports[report["worker"]] = report
         self.write_index("running" if self.ended_wall_ns is None else "stopping")
 

@@ -31,8 +31,9 @@ How a run is organised:
   connects, before each run and every `--clock-sync-every` s; workers move the
   master's wall instants (schedule origin, fire-at) onto their own clock with it. Each
   worker also measures RTT and jitter to the target (calculet_load.netprobe).
-* **Records** go to the worker's own Parquet parts in the run folder; the Locust
-  `request` event gets one row per request for TTFT, TPOT and E2E (web UI only).
+* **Records** go to the worker's own Parquet parts in the run folder; Locust's
+  `request` event fires once per request (its cell, E2E, failure), and the token-level
+  figures go to the LLM tab, CSV and HTML section (calculet_load.llmstats, .locust_llm).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from calculet_load.arrivals import ArrivalError, load_replay, unit_gaps
 from calculet_load.errors import ExitCode
 from calculet_load.livestats import LiveStats
+from calculet_load.llmstats import LLMTable
 from calculet_load.locust_coordinator import Coordinator
 from calculet_load.locust_worker import (
     ARRIVALS,
@@ -198,6 +200,9 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         from calculet_load import locust_webui
 
         locust_webui.install(environment, lambda: STATE.master)
+    from calculet_load import locust_llm
+
+    locust_llm.install(environment, llm_table, _reset_llm)  # issue 15: CSV, HTML, resets
     if int(environment.parsed_options.metrics_port) > 0:  # issue 9
         from calculet_load import prom
 
@@ -283,6 +288,7 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
         STATE.worker = None
         w.stop(timeout_s=max(environment.stop_timeout or 0.0, 10.0))
         report = w.report()
+        report["llm"] = w.take_llm_pending()  # the figures since its last stats report
         problem = sink_status(report.get("sink"))
         if problem is not None:
             log.error("calculet worker %s: not every record is in its parts: %s", w.name, problem)
@@ -290,6 +296,7 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
         if isinstance(runner, WorkerRunner):
             runner.send_message("calculet_parts", report)
         elif STATE.master is not None:
+            STATE.master.adopt(w)  # a local run's figures stay on view after it ends
             STATE.master.on_parts(report)
     master = STATE.master
     if master is None or master.plan is None or master.ended_wall_ns is not None:
@@ -337,6 +344,7 @@ def _on_report_to_master(client_id: str, data: dict[str, Any], **_kw: Any) -> No
     wire["worker"] = w.name
     wire["in_flight"] = w.session.in_flight
     wire["cpu_percent"] = w.cpu_percent
+    wire["llm"] = w.take_llm_pending()
     w.wire_pending = LiveStats()
     data["calculet"] = wire
 
@@ -390,6 +398,23 @@ def live_stats() -> LiveStats | None:
     if STATE.worker is not None:
         return STATE.worker.stats
     return STATE.master.stats if STATE.master is not None else None
+
+
+def llm_table() -> LLMTable | None:
+    """The LLM tab's figures: merged (master), or this process's own (local run)."""
+    if STATE.master is not None and STATE.master.distributed:
+        return STATE.master.llm
+    if STATE.worker is not None:
+        return STATE.worker.llm
+    return STATE.master.llm if STATE.master is not None else None
+
+
+def _reset_llm() -> None:
+    """Locust's "Reset stats" on this process (the master also tells its workers)."""
+    if STATE.worker is not None:
+        STATE.worker.reset_llm()
+    if STATE.master is not None:
+        STATE.master.llm.reset()
 
 
 # ------------------------------------------------------------------ the user

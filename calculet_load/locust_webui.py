@@ -24,15 +24,11 @@ from flask import Response, jsonify, request
 from locust.env import Environment
 
 from calculet_load.livestats import LiveStats
+from calculet_load.llmreport import TAB_COLUMNS, html_section, inject, tab_rows
+from calculet_load.llmstats import LLMTable
 
 TAB = "calculet"
-COLUMNS = [
-    {"key": "figure", "title": "Figure"},
-    {"key": "p50", "title": "p50"},
-    {"key": "p90", "title": "p90"},
-    {"key": "p99", "title": "p99"},
-    {"key": "value", "title": "Value"},
-]
+COLUMNS = TAB_COLUMNS
 
 
 def install(env: Environment, coordinator: Callable[[], Any]) -> None:
@@ -76,14 +72,26 @@ def install(env: Environment, coordinator: Callable[[], Any]) -> None:
 
         return live_stats()
 
+    def table() -> LLMTable | None:
+        from calculet_load.locust_plugin import llm_table
+
+        return llm_table()
+
+    def rows() -> list[dict[str, Any]]:
+        t = table()
+        return tab_rows(t, stats()) if t is not None else []
+
     @app.after_request
     def _add_rows(resp: Response) -> Response:
         if request.path.endswith("/stats/requests") and resp.is_json:
-            s = stats()
-            rows = s.rows() if s is not None else []
             data = resp.get_json()
-            data["extended_stats"] = [{"key": TAB, "data": rows}]
+            data["extended_stats"] = [{"key": TAB, "data": rows()}]
             resp.set_data(json.dumps(data))
+        elif request.path.endswith("/stats/report") and resp.status_code == 200:
+            t = table()  # the downloaded report carries the LLM section too
+            if t is not None:
+                resp.direct_passthrough = False
+                resp.set_data(inject(resp.get_data(as_text=True), html_section(t)))
         return resp
 
     @app.route("/calculet/live")
@@ -92,7 +100,7 @@ def install(env: Environment, coordinator: Callable[[], Any]) -> None:
         s = stats()
         return jsonify(
             {
-                "rows": s.rows() if s is not None else [],
+                "rows": rows(),
                 "counters": dict(s.counters) if s is not None else {},
                 "errors": dict(s.errors) if s is not None else {},
             }

@@ -29,6 +29,7 @@ from calculet_load.client import Outcome, Timeouts
 from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.events import events as cl_events
 from calculet_load.livestats import LiveStats
+from calculet_load.llmstats import LLMTable, cell_name
 from calculet_load.mixes import Mix, MixChooser, load_mix, single
 from calculet_load.netprobe import measure_round, rounds_record
 from calculet_load.schema.manifest import load_manifest
@@ -107,6 +108,8 @@ class Worker:
         self.slot = plan.slots.get(str(index))
         self.stats = LiveStats()
         self.wire_pending = LiveStats()  # what changed since the last report to the master
+        self.llm = LLMTable()  # the LLM tab's per-cell figures (Locust's reset resets it)
+        self.llm_pending = LLMTable()  # its changes since the last report to the master
         self.mix = _mix(self.opts)
         self.chooser = MixChooser(self.mix, plan.seed)
         self.closed_seq = 0
@@ -220,27 +223,24 @@ class Worker:
 
     # --- records → live stats and Locust's request event ---------------------------
     def _on_record(self, record: RequestRecord, out: Outcome) -> None:
+        """One Locust `request` event per request: named by its cell, its E2E time (or
+        the time a failure took), its output tokens as the length, its failure class.
+        The token-level figures go to the LLM table (calculet_load.llmstats)."""
         for s in (self.stats, self.wire_pending):
             _count(s, record, self.opts.model)
         if out.cancelled_at == "run_stop":
             return  # cut by the end of the run: in the records, not a server failure
+        for t in (self.llm, self.llm_pending):
+            t.observe(record, out.token_events)
         d = record.durations_ms
-        kind = self.opts.protocol
-        fire = self.env.events.request.fire
-        timings = (("TTFT", d.ttft), ("TPOT", d.tpot),
-                   ("TTFT from intended", record.ext.ttft_from_intended_ms))  # fmt: skip
-        for name, ms in timings:
-            if ms is not None:
-                fire(request_type=kind, name=name, response_time=ms, response_length=0,
-                     exception=None, context={})  # fmt: skip
         exc = (
             None
             if out.error_class is None
             else RequestFailed(f"{out.error_class}: {(out.error_detail or '')[:120]}")
         )
-        fire(
-            request_type=kind,
-            name="E2E",
+        self.env.events.request.fire(
+            request_type=self.opts.protocol,
+            name=cell_name(record),
             response_time=d.e2e if d.e2e is not None else _elapsed_ms(record),
             response_length=record.ext.client_output_tokens or 0,
             exception=exc,
@@ -288,6 +288,9 @@ class Worker:
     def _on_selfwatch(self, row: Any) -> None:
         for s in (self.stats, self.wire_pending):
             s.observe("loop_lag", row.loop_lag_ms)
+        if not row.warmup:
+            for t in (self.llm, self.llm_pending):
+                t.observe_loop_lag(row.loop_lag_ms)
         self.cpu_percent = row.cpu_percent
         self.stats.in_flight[self.name] = row.in_flight or 0  # issue 9: a local run's gauges
         self.stats.cpu_percent[self.name] = row.cpu_percent
@@ -369,6 +372,8 @@ class Worker:
             )
             for s in (self.stats, self.wire_pending):
                 _count(s, record, self.opts.model)
+            for t in (self.llm, self.llm_pending):
+                t.observe(record)
             return
         self.pool.spawn(self._send, spec)
 
@@ -433,6 +438,17 @@ class Worker:
             for info in self.sink.fs.get_file_info(_selector(self.sink.dir))
             if info.path.endswith(".parquet")
         )
+
+    def take_llm_pending(self) -> dict[str, Any]:
+        """The LLM figures not yet reported to the master (then none are pending)."""
+        wire = self.llm_pending.to_wire()
+        self.llm_pending = LLMTable()
+        return wire
+
+    def reset_llm(self) -> None:
+        """Locust's "Reset stats": the LLM figures start again (the records do not)."""
+        self.llm.reset()
+        self.llm_pending = LLMTable()
 
     def report(self) -> dict[str, Any]:
         return {
