@@ -43,7 +43,8 @@ log = logging.getLogger("calculet_load")
 
 OPEN_LOOP = ("poisson", "constant", "gamma", "replay")
 RTT_ROUNDS_KEEP = 60  # during-run RTT rounds kept for the index (a 72-hour run: the last)
-RTT_SETTLE_S = 1.0  # the first RTT round starts this long after the worker gets its plan
+RTT_READY_WAIT_S = 30.0  # the first RTT round waits this long at most for start-up to end
+RTT_SETTLE_S = 0.5  # ... and then this long
 ARRIVALS = ("closed", *OPEN_LOOP, "burst")
 PROTOCOLS = ("llama", "openai-chat", "openai-completions")
 
@@ -261,8 +262,10 @@ class Worker:
         samples = int(getattr(self.opts, "rtt_samples", 0) or 0)
         every_s = float(getattr(self.opts, "rtt_every", 0.0) or 0.0)
         phase = "before"
-        # the worker's own start-up (imports, the sink's thread, Locust's spawn) competes
-        # for the CPU in its first second: measured, it stretched round trips by up to 25 ms
+        # The worker's own start-up (imports, Locust's spawn, and its prompts, tokenization
+        # and connections, which load the target too) would stretch the round trips:
+        # measured, by 25-60 ms. The first round waits for it to end.
+        self.ready.wait(RTT_READY_WAIT_S)
         gevent.sleep(RTT_SETTLE_S)
         while samples > 0 and not self.stopping:
             try:  # a native thread: the round trips are not stretched by this loop's lag
