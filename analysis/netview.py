@@ -10,12 +10,16 @@ picking the figures the run recorded and formatting them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from analysis.viewmodel import DASH, Table, fmt_num, table
-from calculet_load.schema.clocks import rtt_measured
+import numpy as np
+import numpy.typing as npt
 
-__all__ = ["bursts_table", "network_table", "rtt_measured"]
+from analysis.viewmodel import DASH, Table, fmt_num, table
+from calculet_load.schema.clocks import rtt_measured, to_reference_ns
+
+__all__ = ["burst_spreads", "bursts_table", "master_offsets", "network_table", "rtt_measured"]
 
 
 def _ms_ns(v: Any) -> str:
@@ -76,8 +80,42 @@ def network_table(index: dict[str, Any] | None) -> Table | None:
     )
 
 
-def bursts_table(index: dict[str, Any] | None) -> Table | None:
-    """One row per burst that sent; None when the run had none."""
+def master_offsets(index: dict[str, Any] | None) -> dict[str, int]:
+    """Each worker's measured offset to the master (master − worker, ns), where recorded."""
+    out: dict[str, int] = {}
+    for w in _workers(index):
+        off = (w.get("master_clock_sync") or {}).get("master_offset_ns")
+        if isinstance(off, int):
+            out[str(w.get("worker"))] = off
+    return out
+
+
+def burst_spreads(
+    burst_ids: Sequence[str],
+    workers: Sequence[str],
+    anchors_ns: npt.NDArray[np.int64],
+    offsets_ns: dict[str, int],
+) -> list[tuple[str, int, int, float]]:
+    """Per burst, from its records: (id, requests, workers, spread ms). A request's send
+    instant is its wall anchor (read with t0) put on the master's clock with its worker's
+    measured offset (0 where none was measured: the master's own process)."""
+    ids = np.asarray(burst_ids, dtype=object)
+    who = np.asarray(workers, dtype=object)
+    off = np.array([offsets_ns.get(str(w), 0) for w in who], dtype=np.int64)
+    sent = to_reference_ns(np.asarray(anchors_ns, dtype=np.int64), off)
+    out = []
+    for b in sorted({str(x) for x in ids if x}):
+        m = ids == b
+        spread = int(sent[m].max() - sent[m].min())
+        out.append((b, int(m.sum()), len(set(who[m].tolist())), spread / 1e6))
+    return out
+
+
+def bursts_table(
+    index: dict[str, Any] | None, records: list[tuple[str, int, int, float]] | None = None
+) -> Table | None:
+    """One row per burst that sent: as the Locust master recorded it in the index, else
+    from the records (`burst_spreads`, e.g. an accept run); None when the run had none."""
     rows = [
         (
             str(b.get("id", DASH)),
@@ -88,6 +126,8 @@ def bursts_table(index: dict[str, Any] | None) -> Table | None:
         for b in (index or {}).get("bursts") or []
         if isinstance(b, dict) and b.get("workers_sent")
     ]
+    if not rows and records:
+        rows = [(b, str(n), str(w), f"{fmt_num(ms, 4)} ms") for b, n, w, ms in records]
     if not rows:
         return None
     return table(

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from analysis.netview import bursts_table, network_table, rtt_measured
+from analysis.netview import (
+    burst_spreads,
+    bursts_table,
+    master_offsets,
+    network_table,
+    rtt_measured,
+)
 from analysis.runfiles import redact
 from analysis.viewmodel import (
     Banner,
@@ -267,7 +273,7 @@ def provenance_section(rv: RunView, base: RunView | None) -> Section:
     if rv.table is not None:
         s.tables.append(_versions(rv))
         s.tables.append(_hosts(rv))
-    for extra in (network_table(rv.index), bursts_table(rv.index)):  # issue 15
+    for extra in (network_table(rv.index), bursts_table(rv.index, _bursts(rv))):  # issue 15
         if extra is not None:
             s.tables.append(extra)
     s.intro.append(_clocks(rv))
@@ -275,6 +281,18 @@ def provenance_section(rv: RunView, base: RunView | None) -> Section:
 
 
 NO_MANIFEST = "absent: versions and hashes come from the records only"
+
+
+def _bursts(rv: RunView) -> list[tuple[str, int, int, float]] | None:
+    """Each burst's spread from the records (when the index has none: an accept run)."""
+    if rv.table is None:
+        return None
+    ids = rv.col("ext.burst_id")
+    if not any(ids.tolist()):
+        return None
+    anchors = rv.col("ext.wall_anchor_ns", fill=0, dtype=np.int64)
+    return burst_spreads(ids.tolist(), rv.col("ext.worker").tolist(), anchors,
+                         master_offsets(rv.index))  # fmt: skip
 
 
 def _versions(rv: RunView) -> Any:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
 from analysis.errors import ArtifactError
 from analysis.load import load_run
-from analysis.netview import bursts_table, network_table
+from analysis.netview import burst_spreads, bursts_table, master_offsets, network_table
 from tests.analysis.runs import MS, RunBuilder, request
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,3 +82,21 @@ def test_network_and_burst_tables_show_what_the_index_recorded() -> None:
     assert bursts is not None and bursts.rows == (("r.b0001", "2", "2", "0.7700 ms"),)
     assert network_table({"workers": [{"worker": "w00"}]}) is None
     assert bursts_table({}) is None
+
+
+def test_burst_spread_from_records_puts_each_send_on_the_masters_clock() -> None:
+    # w01's clock runs 200 ms ahead (master − w01 = −200 ms). Burst b1: w00 sends at
+    # T and T + 1 ms; w01 at its T + 200.5 ms, i.e. the master's T + 0.5 ms. Spread 1 ms,
+    # not 200 ms. Burst b2 is one request: spread 0.
+    t = 1_800_000_000_000_000_000
+    ids = ["b1", "b1", "b1", "b2", ""]
+    workers = ["w00", "w00", "w01", "w01", "w00"]
+    anchors = np.array([t, t + MS, t + 200 * MS + MS // 2, t + 5_000 * MS, t], dtype=np.int64)
+    offsets = master_offsets({"workers": [_worker_entry(worker="w01", master_clock_sync={
+        "master_offset_ns": -200 * MS, "master_rtt_ns": 300_000})]})  # fmt: skip
+    assert offsets == {"w01": -200 * MS}
+    rows = burst_spreads(ids, workers, anchors, offsets)
+    assert rows == [("b1", 3, 2, 1.0), ("b2", 1, 1, 0.0)]
+    table = bursts_table({"bursts": []}, rows)  # an accept run: no bursts in the index
+    assert table is not None
+    assert table.rows == (("b1", "3", "2", "1.000 ms"), ("b2", "1", "1", "0 ms"))
