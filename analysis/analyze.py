@@ -19,14 +19,11 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from analysis import batch, boundary, capacity, compare, resources, stats
-from analysis.cells import CellSummary
 from analysis.errors import ExitCode
-from analysis.evaluate import Context, evaluate
-from analysis.evidence import Evidence, build_evidence
-from analysis.legacy import check_not_legacy
-from analysis.load import load_run
-from analysis.rules import (
+from analysis.judge import batch, boundary, capacity, resources
+from analysis.judge.evaluate import Context, evaluate
+from analysis.judge.evidence import Evidence, build_evidence
+from analysis.judge.rules import (
     BatchRule,
     BoundaryPolicyRule,
     CapacityRule,
@@ -34,8 +31,7 @@ from analysis.rules import (
     RulesFile,
     load_rules,
 )
-from analysis.summary import summary_table
-from analysis.verdict import (
+from analysis.judge.verdict import (
     VERDICT_SCHEMA,
     RuleVerdict,
     Status,
@@ -44,7 +40,13 @@ from analysis.verdict import (
     to_json,
     verdict_dict,
 )
-from calculet_load.sink import resolve_fs
+from analysis.legacy import check_not_legacy
+from analysis.stats import compare
+from analysis.stats import quantiles as stats
+from analysis.tables.cells import CellSummary
+from analysis.tables.join import load_run
+from analysis.tables.summary import summary_table
+from calculet_load.schema.fs import resolve_fs
 
 __all__ = ["OUTPUTS", "Analysis", "analyze", "write_outputs"]
 

@@ -59,7 +59,7 @@ def analyze_run(
     An artifact or rules error prints one line on stderr and returns its code (2)."""
     from analysis.analyze import analyze, write_outputs
     from analysis.errors import AnalysisError
-    from analysis.verdict import render_summary
+    from analysis.judge.verdict import render_summary
 
     say = _progress(progress or sys.stderr.isatty())
     try:
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from analysis.errors import ExitCode
 
     if args.rules_schema:
-        from analysis.rules import rules_json_schema
+        from analysis.judge.rules import rules_json_schema
 
         print(json.dumps(rules_json_schema(), indent=2))
         return 0

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.errors import ArtifactError
-from calculet_load.sink import resolve_fs
+from calculet_load.schema.fs import resolve_fs
 
 __all__ = [
     "LEGACY_SCHEMA",

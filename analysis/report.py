@@ -4,7 +4,7 @@ One self-contained HTML file (inline CSS and SVG figures; no script, no external
 request), rendered from the run folder's files alone: `verdict.json` and
 `summary.parquet` (from `calculet-load analyze`), the records joined with the server
 traces, the pipeline's event log and plan, the manifest. The view model
-(`analysis.viewmodel` and the section builders) decides and formats everything; the
+(`analysis.views.model` and the section builders) decides and formats everything; the
 Jinja2 templates (autoescape on, StrictUndefined) only lay it out.
 
 A report renders for any run folder that exists: what a file would have told is shown
@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from analysis.viewmodel import ReportView, RunView
+    from analysis.views.model import ReportView, RunView
 
 __all__ = [
     "REPORT_NAME",
@@ -42,10 +42,10 @@ def load_view(uri: str) -> RunView:
     import yaml
 
     from analysis.errors import AnalysisError, ArtifactError
-    from analysis.load import load_run
-    from analysis.quality import apply_quality
-    from analysis.runfiles import RunFiles, redact
-    from analysis.viewmodel import RunView, label_column
+    from analysis.tables.join import load_run
+    from analysis.tables.quality import apply_quality
+    from analysis.tables.runfiles import RunFiles, redact
+    from analysis.views.model import RunView, label_column
 
     files = RunFiles(uri)
     if not files.is_dir():
@@ -94,15 +94,16 @@ def load_view(uri: str) -> RunView:
 
 def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
     """The whole report's view model from the run folder (and the baseline's)."""
-    from analysis import cellviews, counterexamples, loadcurves, provenance, soakgaps, timelines
-    from analysis.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS
-    from analysis.viewmodel import ReportView
+    from analysis.tables.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS
+    from analysis.views import cells as cellviews
+    from analysis.views import counterexamples, loadcurves, provenance, soakgaps, timelines
+    from analysis.views.model import ReportView
 
     rv = load_view(run_dir)
     notes: list[str] = []
     recorded = ((rv.verdict or {}).get("baseline") or {}).get("uri")
     if baseline is None and recorded:
-        from analysis.runfiles import RunFiles
+        from analysis.tables.runfiles import RunFiles
 
         if RunFiles(recorded).is_dir():
             baseline = recorded
@@ -188,14 +189,14 @@ def write_report(run_dir: str, baseline: str | None = None, *, out: str | None =
     """Render the report of `run_dir` into `out` (default RUN/report.html), written to a
     temporary name and renamed; returns its path. The pipeline calls this after the
     analysis and before signing, so the bundle covers the report."""
-    from analysis.runfiles import RunFiles
+    from analysis.tables.runfiles import RunFiles
 
     html = render(build_view(run_dir, baseline)).encode("utf-8")
     files = RunFiles(run_dir)
     if out is None:
         target_fs, path = files.fs, files.path(REPORT_NAME)
     else:
-        from calculet_load.sink import resolve_fs
+        from calculet_load.schema.fs import resolve_fs
 
         target_fs, path = resolve_fs(out)
     with target_fs.open_output_stream(path + ".tmp") as f:

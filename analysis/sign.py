@@ -1,3 +1,4 @@
+# size: the signed bundle (DSSE envelope, in-toto statement, keys, verification) as one
 """Signed result bundles: every file of a run folder, hashed into one signed statement.
 
 `sign()` writes `bundle.intoto.json` into the run folder: an in-toto Statement v1 whose
@@ -37,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from analysis.errors import ArtifactError
 from calculet_load import __version__
 from calculet_load.clock import Clock, SystemClock
-from calculet_load.sink import resolve_fs
+from calculet_load.schema.fs import resolve_fs
 
 __all__ = [
     "BUNDLE_NAME",

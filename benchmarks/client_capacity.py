@@ -57,12 +57,12 @@ from timing_accuracy import (
     warm_up,
 )
 
-from calculet_load.client import Outcome
-from calculet_load.runfolder import iter_jsonl
+from calculet_load.measure.client import Outcome
+from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
+from calculet_load.measure.session import RequestSpec, RunContext, make_record
+from calculet_load.measure.sink import PartSink
 from calculet_load.schema.records import RequestRecord, TokenEvent
-from calculet_load.session import RequestSpec, RunContext, make_record
-from calculet_load.sink import PartSink
-from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
+from calculet_load.schema.runfolder import iter_jsonl
 
 # The project's research notes (peer-clients.md): "the bar is ≥ 160 req/s ≈ 10k token
 # events/s per worker core at TTFT p99 error ≤ 10 ms (twice the best tool) ... and the goal is

@@ -35,11 +35,11 @@ from typing import Any
 
 import gevent
 
-from calculet_load.client import Outcome, Timeouts, run_in_greenlet
+from calculet_load.measure.client import Outcome, Timeouts, run_in_greenlet
+from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.sse import SSEParser
 from calculet_load.schema.records import TokenEvent
-from calculet_load.session import RequestSpec, RunContext, Session
-from calculet_load.sse import SSEParser
-from calculet_load.workload import Prompt, PromptFactory, http_tokenizer
 
 TARGET_P99_US = 1000.0
 

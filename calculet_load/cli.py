@@ -16,53 +16,53 @@ from collections.abc import Callable
 # the module's `add_arguments(parser)` and `run(args) -> int` (the exit code).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": (
-        "calculet_load.demo",
+        "calculet_load.commands.demo",
         "start the embedded simulator and stream one request",
         "add_arguments",
         "run",
     ),
     "probe": (
-        "calculet_load.probe",
+        "calculet_load.commands.probe",
         "send one request, print its t0..t6 timeline and write its record",
         "add_arguments",
         "run",
     ),
     "check-manifest": (
-        "calculet_load.tools",
+        "calculet_load.commands.tools",
         "validate a run manifest (exit 2 with the field path when invalid)",
         "add_check_manifest",
         "check_manifest",
     ),
-    "schema": ("calculet_load.tools", "print a JSON Schema", "add_schema", "schema"),
+    "schema": ("calculet_load.commands.tools", "print a JSON Schema", "add_schema", "schema"),
     "export": (
-        "calculet_load.tools",
+        "calculet_load.commands.tools",
         "write a run's request records as §3 JSON lines",
         "add_export",
         "export",
     ),
     "accept": (
-        "calculet_load.pipeline",
+        "calculet_load.commands.accept",
         "the acceptance run of §15 in the order of §8: release, idle, golden, warmup, "
         "matrix, golden, resources, traces, analysis, report, signature",
         "add_arguments",
         "run",
     ),
     "faults": (
-        "calculet_load.faults",
+        "calculet_load.faults.matrix",
         "run the fault matrix of §12 (scenarios as data) against a target: faults.json, "
         "a verdict with evidence per scenario",
         "add_arguments",
         "run",
     ),
     "soak": (
-        "calculet_load.soak",
+        "calculet_load.commands.soak",
         "run a stability stage of §13 (configs/soak: smoke, dev, candidate, release, "
         "endurance) with resources and traces sampled during the run; leak/hang/abort verdict",
         "add_arguments",
         "run",
     ),
     "capacity": (
-        "calculet_load.capacity",
+        "calculet_load.accept.capacity",
         "find the stable max QPS of §14.3: open-loop rate doubling then bisection, each "
         "window judged on backlog growth, rejects and P99 latency/queue against the SLA",
         "add_arguments",

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["ExitCode"]
+__all__ = [
+    "EXIT_FAIL",
+    "EXIT_INFRA",
+    "EXIT_INVALID",
+    "EXIT_OK",
+    "EXIT_REGRESSION",
+    "ExitCode",
+    "RunStop",
+]
 
 
 class ExitCode(IntEnum):
@@ -20,3 +28,19 @@ class ExitCode(IntEnum):
     INVALID_ARTIFACT = 2
     INFRASTRUCTURE = 3
     REGRESSION = 4
+
+
+# The short names the drivers use (the same members).
+EXIT_OK: int = ExitCode.PASS
+EXIT_FAIL: int = ExitCode.CORRECTNESS
+EXIT_INVALID: int = ExitCode.INVALID_ARTIFACT
+EXIT_INFRA: int = ExitCode.INFRASTRUCTURE
+EXIT_REGRESSION: int = ExitCode.REGRESSION
+
+
+class RunStop(Exception):
+    """A step ended the run early with an exit code and a one-line reason."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code

@@ -1,3 +1,4 @@
+# size: the simulated device's scheduler and timing model share one loop's state
 """The device scheduler: admission, slots, KV budget, buffer leases, and device jobs.
 
 One asyncio task per job pipeline (two with ping/pong) picks the next job — a prefill

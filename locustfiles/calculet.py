@@ -7,6 +7,6 @@ LLM tab. `CalculetUser` is closed-loop with
 and each process's dispatcher sends. See docs/locust.md.
 """
 
-from calculet_load.locust_plugin import CalculetUser
+from calculet_load.locust.plugin import CalculetUser
 
 __all__ = ["CalculetUser"]

@@ -7,7 +7,7 @@ Each stage is DURATION_S@RATE[@BURST_SIZE/BURST_EVERY_S]; or `--stages FILE.yaml
 list of {duration_s, rate, burst_size, burst_every_s}. The run stops after the last stage.
 """
 
-from calculet_load.locust_plugin import CalculetUser
-from calculet_load.locust_shape import RateStages
+from calculet_load.locust.plugin import CalculetUser
+from calculet_load.locust.shape import RateStages
 
 __all__ = ["CalculetUser", "RateStages"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from calculet_load.sse import SSEEvent, SSEParser
+from calculet_load.measure.sse import SSEEvent, SSEParser
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from calculet_load.runfolder import read_records
+from calculet_load.schema.runfolder import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

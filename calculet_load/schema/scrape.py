@@ -1,6 +1,6 @@
 """Time series the harness samples from the target while a run goes on (spec §10.2, §10.3).
 
-Written by `calculet_load.scrape` into the run folder, read by the analysis (leaks,
+Written by `calculet_load.target.scrape` into the run folder, read by the analysis (leaks,
 report time series). Unlike the trace files of `traces.py`, the harness writes these
 itself: `wall_ns` is the sampling host's wall clock (for lining rows up with records
 and traces, never for durations) and `mono_ns` the sampling process's monotonic clock.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from calculet_load.durations import durations
+from calculet_load.measure.durations import durations
 from calculet_load.schema.arrow import (
     SelfWatchRow,
     records_table,

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from analysis import compare, leaks, stats
+from analysis.stats import compare
+from analysis.stats import quantiles as stats
+from analysis.stats import trend as leaks
 
 
 def test_public_names_are_pinned() -> None:
@@ -65,7 +67,7 @@ def test_public_names_are_pinned() -> None:
 
 def test_importing_the_statistics_layer_imports_neither_locust_nor_gevent() -> None:
     code = (
-        "import sys, analysis.stats, analysis.compare, analysis.leaks\n"
+        "import sys, analysis.stats.quantiles, analysis.stats.compare, analysis.stats.trend\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('locust', 'gevent'))\n"
         "assert not bad, bad\n"
     )
@@ -76,7 +78,7 @@ def test_importing_the_statistics_layer_imports_neither_locust_nor_gevent() -> N
 
 PIPELINE_API = {
     "analyze": ["OUTPUTS", "Analysis", "analyze", "write_outputs"],
-    "batch": [
+    "judge.batch": [
         "BATCH_METHOD",
         "HANDLERS",
         "BatchAnalysis",
@@ -86,14 +88,14 @@ PIPELINE_API = {
         "batch_section",
         "cached_batch",
     ],
-    "boundary": [
+    "judge.boundary": [
         "HANDLERS",
         "BoundaryCell",
         "analyze_boundary",
         "boundary_section",
         "cached_boundary",
     ],
-    "capacity": [
+    "judge.capacity": [
         "CAPACITY_METHOD",
         "HANDLERS",
         "OPEN_LOOP",
@@ -103,7 +105,7 @@ PIPELINE_API = {
         "cached_capacity",
         "capacity_section",
     ],
-    "cells": [
+    "tables.cells": [
         "CELL_FIELDS",
         "ERROR_GROUPS",
         "METRICS",
@@ -116,13 +118,20 @@ PIPELINE_API = {
         "summarize_cells",
     ],
     "cli": ["add_arguments", "add_import_legacy", "analyze_run", "run", "run_import_legacy"],
-    "comparisons": ["HANDLERS", "NO_BASELINE"],
-    "correctness": ["HANDLERS"],
+    "judge.comparisons": ["HANDLERS", "NO_BASELINE"],
+    "judge.correctness": ["HANDLERS"],
     "errors": ["AnalysisError", "ArtifactError", "ExitCode", "RulesError"],
-    "evaluate": ["HANDLERS", "Context", "evaluate"],
-    "evidence": ["Context", "Evidence", "build_evidence", "column_np", "sent_mask", "verdict_for"],
-    "infra": ["check_infrastructure"],
-    "join": ["JOIN_COLUMNS", "device_extremes", "join_run", "positions"],
+    "judge.evaluate": ["HANDLERS", "Context", "evaluate"],
+    "judge.evidence": [
+        "Context",
+        "Evidence",
+        "build_evidence",
+        "column_np",
+        "sent_mask",
+        "verdict_for",
+    ],
+    "judge.infra": ["check_infrastructure"],
+    "tables.join": ["JOIN_COLUMNS", "device_extremes", "join_run", "load_run", "positions"],
     "legacy": [
         "LEGACY_SCHEMA",
         "LegacyImport",
@@ -131,8 +140,8 @@ PIPELINE_API = {
         "legacy_index",
         "load_legacy_trend",
     ],
-    "limits": ["HANDLERS", "limit_verdict"],
-    "load": [
+    "judge.limits": ["HANDLERS", "limit_verdict"],
+    "tables.load": [
         "INDEX_SCHEMA",
         "MANIFEST_SCHEMA",
         "NETWORK_BREAKS_SCHEMA",
@@ -141,13 +150,18 @@ PIPELINE_API = {
         "Progress",
         "RunData",
         "TokenParts",
-        "load_run",
         "read_run_files",
     ],
-    "quality": ["QUALITY_COLUMNS", "Partition", "QualityReport", "Reason", "apply_quality"],
-    "resources": ["HANDLERS", "LEAK_SERIES", "leak_results", "leak_section", "resource_series"],
-    "summary": ["SUMMARY_SCHEMA", "summary_table"],
-    "rules": [
+    "tables.quality": ["QUALITY_COLUMNS", "Partition", "QualityReport", "Reason", "apply_quality"],
+    "judge.resources": [
+        "HANDLERS",
+        "LEAK_SERIES",
+        "leak_results",
+        "leak_section",
+        "resource_series",
+    ],
+    "tables.summary": ["SUMMARY_SCHEMA", "summary_table"],
+    "judge.rules": [
         "BOUNDARY_CELLS",
         "DEFAULT_RULES",
         "RULES_SCHEMA",
@@ -177,7 +191,7 @@ PIPELINE_API = {
         "parse_rules",
         "rules_json_schema",
     ],
-    "verdict": [
+    "judge.verdict": [
         "VERDICT_SCHEMA",
         "RuleClass",
         "RuleVerdict",
@@ -204,7 +218,7 @@ def test_pipeline_public_names_are_pinned() -> None:
 def test_the_pipeline_imports_neither_locust_nor_gevent() -> None:
     modules = ", ".join(f"analysis.{m}" for m in PIPELINE_API)
     code = (
-        f"import sys, {modules}, calculet_load.selfwatch_limits\n"
+        f"import sys, {modules}, calculet_load.schema.selfwatch\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('locust', 'gevent'))\n"
         "assert not bad, bad\n"
     )

@@ -1,4 +1,4 @@
-"""Batch figures of spec §7 (analysis.batch) on hand-built step traces, and the batch
+"""Batch figures of spec §7 (analysis.judge.batch) on hand-built step traces, and the batch
 rule: fill ratio, lane waste, effective tokens/s, the recommendation and its SLA."""
 
 from __future__ import annotations

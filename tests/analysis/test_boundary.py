@@ -1,4 +1,4 @@
-"""Boundary cells (spec §6.1, analysis.boundary): prompt + output over the 40960 context,
+"""Boundary cells (spec §6.1, analysis.judge.boundary): prompt + output over the 40960 context,
 judged only by the declared overflow policy under the default rules, one verdict per
 cell, and kept out of the error-rate rule and the performance statistics."""
 
@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze, write_outputs
+from analysis.judge.rules import DEFAULT_RULES
 from analysis.report import write_report
-from analysis.rules import DEFAULT_RULES
 from calculet_load.schema.records import RequestRecord, Result
 from tests.analysis.runs import MS, RunBuilder, request
 

@@ -1,4 +1,4 @@
-"""Capacity (spec §14.3, analysis.capacity) on a hand-built two-rate sweep: per rate the
+"""Capacity (spec §14.3, analysis.judge.capacity) on a hand-built two-rate sweep: per rate the
 queue, rejects and utilisation, the queue-growth test and the stable max QPS."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-cell tables (analysis.cells): keys, counts, ITL, steady throughput, the summary
+"""Per-cell tables (analysis.tables.cells): keys, counts, ITL, steady throughput, the summary
 files."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from analysis.analyze import analyze, write_outputs
-from analysis.cells import CellKey, summarize_cells
-from analysis.load import load_run
-from analysis.quality import apply_quality
-from analysis.summary import summary_table
+from analysis.tables.cells import CellKey, summarize_cells
+from analysis.tables.join import load_run
+from analysis.tables.quality import apply_quality
+from analysis.tables.summary import summary_table
 from calculet_load.schema.records import TokenEvent
 from tests.analysis.runs import MS, RunBuilder, request
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from analysis.rules import DEFAULT_RULES
+from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
 from tests.analysis.runs import MS, RunBuilder, request, selfwatch
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from analysis.load import load_run
+from analysis.tables.join import load_run
 from calculet_load import clock
 from calculet_load.schema.clocks import (
     best_sample,

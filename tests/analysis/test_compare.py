@@ -1,4 +1,4 @@
-"""Tests for analysis.compare: known answers, the decision table, the exact bootstrap
+"""Tests for analysis.stats.compare: known answers, the decision table, the exact bootstrap
 against brute force, and verdict rates under injected and absent shifts."""
 
 from collections import Counter
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from analysis import compare as C
-from analysis.compare import Direction, MetricRule, Thresholds, Verdict
+from analysis.stats import compare as C
+from analysis.stats.compare import Direction, MetricRule, Thresholds, Verdict
 
 NS_PER_MS = 1_000_000
 LOWER, HIGHER = Direction.LOWER_IS_BETTER, Direction.HIGHER_IS_BETTER

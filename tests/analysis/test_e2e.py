@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis.rules import DEFAULT_RULES
+from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
 from tests.load.locustproc import LocustRun
 from tests.simproc import SimProcess

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from analysis.rules import DEFAULT_RULES
+from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
-from calculet_load.resources import ResourceSampler, sample_resources
+from calculet_load.target.resources import ResourceSampler, sample_resources
 from tests.load.locustproc import LocustRun
 from tests.simproc import ADMIN_TOKEN, SimProcess
 

@@ -1,4 +1,4 @@
-"""Rule kinds beyond the default gates (analysis.comparisons, analysis.limits):
+"""Rule kinds beyond the default gates (analysis.judge.comparisons, analysis.judge.limits):
 optimization targets, throughput gains, SLOs, capacity and device limits."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for analysis.leaks: known answers, edge cases, and detection/false-alarm rates
+"""Tests for analysis.stats.trend: known answers, edge cases, and detection/false-alarm rates
 over seeded 1-hour, 1 Hz RSS series."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from scipy import stats as st
 from scipy.signal import lfilter
 
-from analysis import leaks as L
-from analysis.leaks import LeakStatus
+from analysis.stats import trend as L
+from analysis.stats.trend import LeakStatus
 
 MB = 1_000_000.0
 HOUR_S = 3600

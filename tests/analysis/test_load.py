@@ -1,5 +1,5 @@
-"""Loading and joining a run folder: known answers on a hand-written run (analysis.load,
-analysis.join)."""
+"""Loading and joining a run folder: known answers on a hand-written run (analysis.tables.load,
+analysis.tables.join)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from analysis.errors import ArtifactError
-from analysis.load import load_run
+from analysis.tables.join import load_run
 from tests.analysis.runs import MS, RunBuilder, device_row, request, server_chain, step_row
 
 A = 1_002_000_000  # server `accepted` of r1, monotonic ns

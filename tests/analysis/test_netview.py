@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from analysis.errors import ArtifactError
-from analysis.load import load_run
-from analysis.netview import burst_spreads, bursts_table, master_offsets, network_table
+from analysis.tables.join import load_run
+from analysis.views.network import burst_spreads, bursts_table, master_offsets, network_table
 from tests.analysis.runs import MS, RunBuilder, request
 
 REPO = Path(__file__).resolve().parents[2]

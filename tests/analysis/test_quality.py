@@ -1,4 +1,4 @@
-"""Pre-registered exclusions, counted with their reasons (analysis.quality)."""
+"""Pre-registered exclusions, counted with their reasons (analysis.tables.quality)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from analysis.errors import ArtifactError
-from analysis.load import load_run
-from analysis.quality import apply_quality
-from calculet_load.selfwatch_limits import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
+from analysis.tables.join import load_run
+from analysis.tables.quality import apply_quality
+from calculet_load.schema.selfwatch import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
 from tests.analysis.runs import MS, WALL0, RunBuilder, request, selfwatch
 
 S = 1_000 * MS

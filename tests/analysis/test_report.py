@@ -28,11 +28,11 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze, write_outputs
-from analysis.cells import CellKey
 from analysis.report import build_view, render, write_report
-from analysis.viewmodel import label_column
+from analysis.tables.cells import CellKey
+from analysis.views.model import label_column
 from calculet_load.cli import main
-from calculet_load.workload import sample_words
+from calculet_load.measure.prompts import sample_words
 from tests.analysis.runs import (
     MS,
     WALL0,
@@ -172,7 +172,7 @@ def _hand_run(root: Path) -> str:
     (root / "plan.json").write_text(json.dumps({
         "schema": "calculet-plan/v1", "seed": 0, "attempts": 1,
         "options": {"admin_token": SECRET, "matrix": "m.yaml"},
-        "cells": [{"name": "p16-o5", "repetitions": 12, "status": "done", "requests": 36,
+        "tables.cells": [{"name": "p16-o5", "repetitions": 12, "status": "done", "requests": 36,
                    "worker": "w00", "started_wall_ns": WALL0,
                    "ended_wall_ns": WALL0 + 40_000 * MS}],
         "excluded": [],
@@ -425,23 +425,23 @@ def test_a_real_acceptance_run_renders_a_report_chromium_opens(
 REPORT_API = {
     "report": ["REPORT_NAME", "add_arguments", "build_view", "load_view", "render", "run",
                "write_report"],
-    "viewmodel": ["DASH", "NO_DATA", "Banner", "Figure", "ReportView", "RunView", "Section",
+    "views.model": ["DASH", "NO_DATA", "Banner", "Figure", "ReportView", "RunView", "Section",
                   "Table", "cap_rows", "figure", "fmt_ci", "fmt_int", "fmt_ms", "fmt_num",
                   "fmt_pct", "fmt_rel", "fmt_wall", "label_column", "table"],
-    "runfiles": ["LIFECYCLE_EVENTS", "RUNTIME_EVENTS", "BundleInfo", "RunFiles", "ServerScan",
-                 "redact"],
-    "plots": ["BreakdownBar", "Line", "Panel", "breakdown_bars", "cdf_figure", "curve_figure",
+    "tables.runfiles": ["LIFECYCLE_EVENTS", "RUNTIME_EVENTS", "BundleInfo", "RunFiles",
+                        "ServerScan", "redact"],
+    "views.plots": ["BreakdownBar", "Line", "Panel", "breakdown_bars", "cdf_figure", "curve_figure",
               "scatter_curve", "timeseries_figure"],
-    "provenance": ["EXIT_MEANINGS", "banner", "plan_section", "provenance_section",
+    "views.provenance": ["EXIT_MEANINGS", "banner", "plan_section", "provenance_section",
                    "signature_section", "vendor_section", "verdicts_section"],
-    "cellviews": ["METRIC_TITLES", "PRIMARY", "cdf_points", "cells_section",
+    "views.cells": ["METRIC_TITLES", "PRIMARY", "cdf_points", "cells_section",
                   "comparison_section", "measured_values", "summary_rows"],
-    "counterexamples": ["BREAKDOWN", "SLOWEST", "excluded_section", "long_context_section",
+    "views.counterexamples": ["BREAKDOWN", "SLOWEST", "excluded_section", "long_context_section",
                         "nonsuccess_section", "resets_section", "runtime_section",
                         "slowest_section"],
-    "loadcurves": ["batch_section", "capacity_section", "curves_section", "offered_rates",
+    "views.loadcurves": ["batch_section", "capacity_section", "curves_section", "offered_rates",
                    "shapes"],
-    "timelines": ["MAX_POINTS", "bucket", "device_section", "faults_section", "run_window",
+    "views.timelines": ["MAX_POINTS", "bucket", "device_section", "faults_section", "run_window",
                   "selfwatch_section", "server_section", "soak_section"],
 }  # fmt: skip
 
@@ -462,7 +462,7 @@ def test_report_public_names_are_pinned_and_import_neither_locust_nor_gevent() -
 
 
 def test_bucket_keeps_the_peak_and_at_most_max_points() -> None:
-    from analysis.timelines import bucket
+    from analysis.views.timelines import bucket
 
     t = np.arange(100_000, dtype=np.float64)
     y = np.zeros(100_000)
@@ -473,7 +473,7 @@ def test_bucket_keeps_the_peak_and_at_most_max_points() -> None:
 
 
 def test_cdf_points_keep_the_maximum_and_are_bounded() -> None:
-    from analysis.cellviews import cdf_points
+    from analysis.views.cells import cdf_points
 
     v = np.random.default_rng(0).lognormal(size=1_000_000)
     x, f = cdf_points(v)
@@ -484,7 +484,7 @@ def test_cdf_points_keep_the_maximum_and_are_bounded() -> None:
 
 
 def test_redaction_of_credentials() -> None:
-    from analysis.runfiles import redact
+    from analysis.tables.runfiles import redact
 
     doc = {
         "admin_token": "abc",

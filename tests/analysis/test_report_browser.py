@@ -28,8 +28,8 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze, write_outputs
+from analysis.judge.rules import DEFAULT_RULES
 from analysis.report import write_report
-from analysis.rules import DEFAULT_RULES
 from tests.analysis.test_report import CHROMEDRIVER, CHROMIUM, Page, banner_code
 from tests.analysis.test_report import check_self_contained as self_contained
 from tests.conftest import REPO

@@ -1,5 +1,5 @@
-"""Leak verdicts from server/resources.jsonl (analysis.resources, spec §13), and the
-sampler's Prometheus parsing (calculet_load.resources)."""
+"""Leak verdicts from server/resources.jsonl (analysis.judge.resources, spec §13), and the
+sampler's Prometheus parsing (calculet_load.target.resources)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import yaml
 
 from analysis.analyze import analyze
-from calculet_load.resources import parse_metrics
+from calculet_load.target.resources import parse_metrics
 from tests.analysis.runs import WALL0, RunBuilder, request
 
 MB = 1_000_000

@@ -1,4 +1,4 @@
-"""The rules file (analysis.rules): the default validates, its JSON Schema is current,
+"""The rules file (analysis.judge.rules): the default validates, its JSON Schema is current,
 and a bad file names the field."""
 
 from __future__ import annotations
@@ -11,9 +11,15 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from analysis.cells import CellKey
 from analysis.errors import RulesError
-from analysis.rules import DEFAULT_RULES, CellSelector, load_rules, parse_rules, rules_json_schema
+from analysis.judge.rules import (
+    DEFAULT_RULES,
+    CellSelector,
+    load_rules,
+    parse_rules,
+    rules_json_schema,
+)
+from analysis.tables.cells import CellKey
 
 SCHEMA_FILE = DEFAULT_RULES.parent / "rules.schema.json"
 

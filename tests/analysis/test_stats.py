@@ -1,4 +1,4 @@
-"""Tests for analysis.stats: known answers on tiny integer-ns fixtures, oracles (numpy,
+"""Tests for analysis.stats.quantiles: known answers on tiny integer-ns fixtures, oracles (numpy,
 scipy), and coverage of the intervals over seeded draws."""
 
 from collections.abc import Callable
@@ -10,7 +10,7 @@ from hypothesis import strategies as hs
 from scipy import stats as st
 from scipy.optimize import brentq
 
-from analysis import stats as S
+from analysis.stats import quantiles as S
 
 NS_PER_MS = 1_000_000
 

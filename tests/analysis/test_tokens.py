@@ -1,4 +1,4 @@
-"""Token events reduced part by part (analysis.tokens): known answers, and the same
+"""Token events reduced part by part (analysis.tables.tokens): known answers, and the same
 figures however the events are split into parts."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from analysis.errors import ArtifactError
-from analysis.load import TokenParts
-from analysis.tokens import EventSums, SteadyWindows, reduce_events
+from analysis.tables.load import TokenParts
+from analysis.tables.tokens import EventSums, SteadyWindows, reduce_events
 from calculet_load.schema.arrow import token_events_table
 from calculet_load.schema.records import TokenEvent
 

@@ -18,9 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from analysis.rules import DEFAULT_RULES
+from analysis.judge.rules import DEFAULT_RULES
 from analysis.sign import load_verify_key, verify
-from calculet_load.pipeline import Options, Pipeline
+from calculet_load.accept.pipeline import Options, Pipeline
+from calculet_load.commands.door import analysis_door
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,6 +115,7 @@ def run_pipeline(
         idle_gap_s=0.0,
         min_repetitions=min_repetitions,
         progress=False,
+        analysis=analysis_door(),
     )
     return Pipeline(opts).run()
 

@@ -20,9 +20,9 @@ from typing import Any
 import psutil
 import pytest
 
-from calculet_load.cellrun import Share, split
-from calculet_load.matrix import Cell
-from calculet_load.mixes import load_mix, single
+from calculet_load.workload.dispatch import Share, split
+from calculet_load.workload.matrix import Cell
+from calculet_load.workload.mixes import load_mix, single
 from tests.load.acceptkit import (
     CLI,
     REPO,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from calculet_load.arrivals import (
+from calculet_load.workload.arrivals import (
     ArrivalError,
     RateClock,
     Schedule,

@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze
-from analysis.loadcurves import batch_section
 from analysis.report import load_view
+from analysis.views.loadcurves import batch_section
 from calculet_load.cli import main
-from calculet_load.matrix import MatrixError, load_matrix, parse_matrix
 from calculet_load.schema.manifest import ManifestError, load_manifest, parse_manifest
+from calculet_load.workload.matrix import MatrixError, load_matrix, parse_matrix
 from calculet_sim.admin import PARTIAL_LANES
 from tests.analysis.test_batch import B4, _rules, _small
 from tests.load.acceptkit import (

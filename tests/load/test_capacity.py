@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.capacity import SLA, _p99, load_sla
-from calculet_load.targetapi import TargetAPI, time_scale
+from calculet_load.accept.capacity import SLA, _p99, load_sla
+from calculet_load.target.api import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO
 from tests.simproc import ADMIN_TOKEN, SimProcess

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from calculet_load.cli import main
-from calculet_load.runfolder import read_records
+from calculet_load.schema.runfolder import read_records
 from tests.conftest import REPO
 from tests.simproc import SimProcess
 

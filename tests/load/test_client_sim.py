@@ -15,7 +15,7 @@ from typing import Any
 import gevent
 import pytest
 
-from calculet_load.client import (
+from calculet_load.measure.client import (
     CancelAt,
     ConnectionPool,
     Endpoint,
@@ -24,8 +24,8 @@ from calculet_load.client import (
     execute,
     run_in_greenlet,
 )
-from calculet_load.durations import durations
-from calculet_load.protocols import adapter_for
+from calculet_load.measure.durations import durations
+from calculet_load.measure.protocols import adapter_for
 from tests.sim.helpers import prompt_ids
 from tests.simproc import SimProcess
 

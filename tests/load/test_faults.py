@@ -20,14 +20,9 @@ from typing import Any
 
 import pytest
 
-from calculet_load.faultcheck import (
-    Observation,
-    ReqObs,
-    check_requests,
-    released_in_flight,
-    shared_leases,
-)
-from calculet_load.faultspec import RequestCheck, load_scenarios
+from calculet_load.faults.check import check_requests, released_in_flight, shared_leases
+from calculet_load.faults.observe import Observation, ReqObs
+from calculet_load.faults.spec import RequestCheck, load_scenarios
 from tests.conftest import REPO
 from tests.simproc import ADMIN_TOKEN, SimProcess
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import gevent
 import pytest
 
-from calculet_load.client import (
+from calculet_load.measure.client import (
     ERROR_CLASSES,
     ConnectionPool,
     Endpoint,
@@ -35,7 +35,7 @@ from calculet_load.client import (
     execute,
     run_in_greenlet,
 )
-from calculet_load.protocols import adapter_for
+from calculet_load.measure.protocols import adapter_for
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, drip, serve
 
 pytestmark = pytest.mark.timeout(20)

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calculet_load.client import ERROR_CLASSES
 from calculet_load.events import EventHook
-from calculet_load.livestats import LiveStats, LogHistogram
-from calculet_load.mixes import MIX_DIR, MixError, load_mix, parse_mix, single
+from calculet_load.locust.livestats import LiveStats, LogHistogram
+from calculet_load.measure.client import ERROR_CLASSES
+from calculet_load.workload.mixes import MIX_DIR, MixError, load_mix, parse_mix, single
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from analysis.stats import quantile
-from calculet_load.livestats import LogHistogram
-from calculet_load.llmreport import (
+from analysis.stats.quantiles import quantile
+from calculet_load.locust.livestats import LogHistogram
+from calculet_load.locust.llmreport import (
     CSV_COLUMNS,
     SECTION_ID,
     csv_rows,
@@ -19,7 +19,7 @@ from calculet_load.llmreport import (
     inject,
     tab_rows,
 )
-from calculet_load.llmstats import AGGREGATED, LLMTable, cell_name, itl_gaps
+from calculet_load.locust.llmstats import AGGREGATED, LLMTable, cell_name, itl_gaps
 from calculet_load.schema.records import TokenEvent
 from tests.analysis.runs import MS, request
 

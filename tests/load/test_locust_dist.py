@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pytest
 from scipy import stats
 
-from calculet_load.arrivals import intended_times
+from calculet_load.workload.arrivals import intended_times
 from tests.load.locustproc import LocustRun
 from tests.simproc import SimProcess
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from calculet_load.llmstats import AGGREGATED
+from calculet_load.locust.llmstats import AGGREGATED
 from tests.load.locustproc import LOCUSTFILE, free_port
 from tests.simproc import SimProcess
 

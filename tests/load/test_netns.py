@@ -42,8 +42,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from calculet_load.arrivals import intended_times
 from calculet_load.clock import TEST_WALL_SHIFT_ENV, ClockAnchor, SystemClock
+from calculet_load.workload.arrivals import intended_times
 from tests.load.locustproc import LOCUSTFILE, REPO, free_port
 from tests.simproc import SimProcess
 

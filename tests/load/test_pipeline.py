@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 import yaml
 
-from analysis.load import load_run
-from analysis.quality import apply_quality
+from analysis.tables.join import load_run
+from analysis.tables.quality import apply_quality
 from calculet_load.cli import main
-from calculet_load.matrix import load_matrix
+from calculet_load.workload.matrix import load_matrix
 from tests.load.acceptkit import (
     CLI,
     GOLDEN,

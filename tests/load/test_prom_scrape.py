@@ -19,7 +19,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from calculet_load.livestats import (
+from calculet_load.commands.tools import _schemas
+from calculet_load.locust.livestats import (
     LATENCY_BOUNDS_S,
     MAX_SERIES,
     OVERFLOW,
@@ -28,9 +29,9 @@ from calculet_load.livestats import (
     outcome_of,
     series_key,
 )
-from calculet_load.prom import ClientCollector
+from calculet_load.locust.prom import ClientCollector
 from calculet_load.schema.records import DurationsMs, Ext, RequestRecord, Workload
-from calculet_load.scrape import (
+from calculet_load.target.scrape import (
     JsonlAppender,
     ServerSampler,
     find_server_pid,
@@ -38,7 +39,6 @@ from calculet_load.scrape import (
     sample_process,
     sampler_for_run,
 )
-from calculet_load.tools import _schemas
 from tests.simproc import SimProcess
 
 

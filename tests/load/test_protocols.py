@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from calculet_load.protocols import CountState, ProtocolError, adapter_for
+from calculet_load.measure.protocols import CountState, ProtocolError, adapter_for
 
 CHAT = adapter_for("openai-chat")
 COMPLETIONS = adapter_for("openai-completions")

@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from calculet_load.sink import resolve_fs
+from calculet_load.schema.fs import resolve_fs
 from tests.load.locustproc import LocustRun, free_port
 from tests.simproc import SimProcess
 

@@ -17,10 +17,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.load import load_run
-from analysis.quality import apply_quality
+from analysis.tables.join import load_run
+from analysis.tables.quality import apply_quality
 from calculet_load.cli import main
-from calculet_load.matrix import MatrixError, load_matrix, parse_matrix
+from calculet_load.workload.matrix import MatrixError, load_matrix, parse_matrix
 from tests.load.acceptkit import (
     SINGLE,
     accept_sim,

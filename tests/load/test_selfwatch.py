@@ -7,9 +7,9 @@ from pathlib import Path
 
 import gevent
 
-from calculet_load.runfolder import read_table
-from calculet_load.selfwatch import SelfWatch
-from calculet_load.sink import PartSink
+from calculet_load.measure.selfwatch import SelfWatch
+from calculet_load.measure.sink import PartSink
+from calculet_load.schema.runfolder import read_table
 
 
 def test_a_blocked_loop_is_measured_as_lag_and_sampled_to_the_sink(tmp_path: Path) -> None:

@@ -16,8 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from calculet_load import runfolder, sink
-from calculet_load.runfolder import export_jsonl, part_files, read_records, read_table
+from calculet_load.measure import sink
+from calculet_load.measure.sink import PartSink
+from calculet_load.schema import runfolder
 from calculet_load.schema.arrow import SelfWatchRow, records_table
 from calculet_load.schema.records import (
     SPEC3_ORDER,
@@ -27,7 +28,7 @@ from calculet_load.schema.records import (
     SchemaVersionError,
     TokenEvent,
 )
-from calculet_load.sink import PartSink
+from calculet_load.schema.runfolder import export_jsonl, part_files, read_records, read_table
 from tests.conftest import REPO
 
 
@@ -213,7 +214,7 @@ def test_jsonl_export_is_the_spec3_shape(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import sys, time
-    from calculet_load.sink import PartSink, install_signal_handlers
+    from calculet_load.measure.sink import PartSink, install_signal_handlers
     from calculet_load.schema.records import RequestRecord
     s = PartSink(sys.argv[1], "w1", rotate_rows=10, rotate_s=1e9)
     install_signal_handlers(s)

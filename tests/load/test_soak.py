@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from calculet_load.soak import STAGE_DIR, load_stage
+from calculet_load.soak.run import STAGE_DIR, load_stage
 from tests.conftest import REPO
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
@@ -252,9 +252,9 @@ def test_killed_soak_resumes_to_its_planned_end_and_records_the_gap(
     assert cont["observed"]["gaps"] == 1 and 0.5 < cont["observed"]["coverage"] < 1
     # the HTML report shows the gap, in its notes and in the soak's section (the view
     # model of `calculet-load report`; rendering the whole report here would cost 15 s)
-    from analysis.runfiles import RunFiles
-    from analysis.soakgaps import gap_notes, soak_verdict_section
-    from analysis.viewmodel import RunView, fmt_num
+    from analysis.tables.runfiles import RunFiles
+    from analysis.views.model import RunView, fmt_num
+    from analysis.views.soakgaps import gap_notes, soak_verdict_section
 
     view = RunView(RunFiles(str(run)))
     assert gap_notes(view) == [

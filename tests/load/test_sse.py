@@ -1,4 +1,4 @@
-"""Tests for calculet_load.sse, and measurements of sseclient-py 1.9 on the same inputs.
+"""Tests for calculet_load.measure.sse, and measurements of sseclient-py 1.9 on the same inputs.
 
 The oracle `reference_parse` transcribes the WHATWG HTML "event stream interpretation"
 rules literally: decode the whole stream, then walk it character by character. The parser
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from sseclient import SSEClient
 
 from calculet_load.clock import FakeClock
-from calculet_load.sse import SSEEvent, SSELineTooLong, SSEParser
+from calculet_load.measure.sse import SSEEvent, SSELineTooLong, SSEParser
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 LLAMA_CPP_SAMPLES = SHARED / "protocol-samples" / "llama.cpp"

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from calculet_load.runfolder import read_records
+from calculet_load.schema.runfolder import read_records
 from tests.simproc import SimProcess
 
 REPO = Path(__file__).resolve().parents[2]

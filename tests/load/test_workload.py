@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.client import run_in_greenlet
-from calculet_load.runfolder import part_files
-from calculet_load.session import RequestSpec, RunContext, Session
-from calculet_load.sink import PartSink
-from calculet_load.workload import PromptFactory, WorkloadError, http_tokenizer, sample_words
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.prompts import PromptFactory, WorkloadError, http_tokenizer, sample_words
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.sink import PartSink
+from calculet_load.schema.runfolder import part_files
 from tests.simproc import SimProcess
 
 

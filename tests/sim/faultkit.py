@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from calculet_load.sse import SSEParser
+from calculet_load.measure.sse import SSEParser
 from tests.sim.helpers import LLAMA, prompt_ids
 from tests.simproc import SimProcess
 

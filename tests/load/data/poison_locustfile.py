@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from calculet_load import session as _session
-from calculet_load.locust_plugin import CalculetUser
+from calculet_load.locust.plugin import CalculetUser
+from calculet_load.measure import session as _session
 
 __all__ = ["CalculetUser"]
 

@@ -1,0 +1,1 @@
+"""Rules as data and the verdicts they give."""

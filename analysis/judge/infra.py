@@ -1,0 +1,184 @@
+"""Infrastructure validity (spec §15 exit 3): was the measurement itself sound?
+
+Neither a product pass nor a product fail: a run that fails one of these is to be rerun.
+Checks (thresholds in the rules file's `infrastructure:` section, None disables one):
+
+    index_complete    client/index.json says the run completed, no worker went missing,
+                      no sink lost a part
+    client_saturation share of sent records the self-watch saw saturated
+    clock_complete    share of successes with incomplete client stamps
+    network_break     share of sent records inside a declared network break
+    send_lag          open loop: P99 of (actual − intended send time)
+
+Without the data a check needs (a probe has no index, no self-watch) it is
+`not_evaluated`, which does not make the run invalid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from analysis.judge.evidence import Evidence
+from analysis.judge.rules import InfrastructureRules
+from analysis.judge.verdict import RuleClass, RuleVerdict, Status
+from analysis.stats.quantiles import quantile
+
+__all__ = ["check_infrastructure"]
+
+
+def _v(
+    rule: str,
+    status: Status,
+    observed: Any,
+    threshold: Any,
+    n: int,
+    reason: str,
+    details: tuple[dict[str, Any], ...] = (),
+) -> RuleVerdict:
+    return RuleVerdict(
+        rule,
+        "infrastructure",
+        RuleClass.INFRASTRUCTURE,
+        status,
+        observed,
+        threshold,
+        n,
+        reason,
+        details,
+    )
+
+
+def _index(ev: Evidence, rules: InfrastructureRules, rid: str) -> RuleVerdict:
+    index = ev.run.index
+    if not rules.require_complete_index:
+        return _v(rid, Status.NOT_EVALUATED, None, None, 0, "disabled in the rules file")
+    if index is None:
+        return _v(
+            rid,
+            Status.NOT_EVALUATED,
+            None,
+            "complete",
+            0,
+            "no data: no client/index.json (a probe or a hand-made folder); completeness "
+            "cannot be checked",
+        )
+    workers = [w for w in index.get("workers") or [] if isinstance(w, dict)]
+    missing = [str(w.get("worker")) for w in workers if w.get("status") == "missing"]
+    sinks = [(str(w.get("worker")), w.get("sink") or {}) for w in workers]
+    lost = [f"{name}: {e}" for name, sink in sinks for e in sink.get("errors", [])]
+    quarantined = sum(int(sink.get("quarantined") or 0) for _, sink in sinks)
+    unwritten = sum(int(sink.get("lost") or 0) for _, sink in sinks)
+    status = str(index.get("status"))
+    problems = []
+    if status != "complete":
+        problems.append(f"status is {status!r}")
+    if missing:
+        problems.append(f"worker(s) missing: {', '.join(missing)}")
+    if quarantined or unwritten:
+        files = [f"{name}/{f}" for name, sink in sinks for f in sink.get("quarantine_files", [])]
+        problems.append(
+            f"{quarantined + unwritten} row(s) not in the Parquet parts "
+            f"({quarantined} quarantined in client/{', client/'.join(files) or '-'}, "
+            f"{unwritten} lost)"
+        )
+    if lost:
+        problems.append(f"sink errors: {'; '.join(lost[:3])}")
+    details = tuple({"worker": w.get("worker"), "status": w.get("status")} for w in workers)
+    if problems:
+        return _v(
+            rid,
+            Status.FAIL,
+            status,
+            "complete",
+            len(workers),
+            f"client/index.json: {', '.join(problems)}: records may be missing; rerun "
+            "(check the workers' logs for why they stopped)",
+            details,
+        )
+    return _v(rid, Status.PASS, status, "complete", len(workers), "every worker reported")
+
+
+def _fraction(
+    rid: str, count: int, n: int, limit: float | None, what: str, fix: str, no_data: str | None
+) -> RuleVerdict:
+    if limit is None:
+        return _v(rid, Status.NOT_EVALUATED, None, None, n, "disabled in the rules file")
+    if no_data is not None:
+        return _v(rid, Status.NOT_EVALUATED, None, limit, n, f"no data: {no_data}")
+    if n == 0:
+        return _v(rid, Status.NOT_EVALUATED, None, limit, 0, "no data: no records to judge")
+    share = count / n
+    seen = f"{count} of {n} {what} ({share:.2%}); allowed {limit:.2%}"
+    if share > limit:
+        return _v(rid, Status.FAIL, share, limit, n, f"{seen}: {fix}")
+    return _v(rid, Status.PASS, share, limit, n, seen)
+
+
+def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:
+    if limit is None:
+        return _v(rid, Status.NOT_EVALUATED, None, None, 0, "disabled in the rules file")
+    t = ev.table
+    lag = t.column("ext.send_lag_ms")
+    open_loop = pc.and_(pc.is_valid(lag), pc.invert(pc.fill_null(t.column("ext.dropped"), False)))
+    values = np.asarray(pc.filter(lag, open_loop).to_numpy(zero_copy_only=False), dtype=float)
+    if values.size == 0:
+        return _v(rid, Status.NOT_EVALUATED, None, limit, 0, "no data: no open-loop arrivals")
+    p99 = quantile(values, 0.99)
+    assert p99 is not None
+    seen = f"send lag P99 {p99:.3f} ms over {values.size} arrivals; allowed {limit:g} ms"
+    if p99 > limit:
+        return _v(
+            rid,
+            Status.FAIL,
+            p99,
+            limit,
+            values.size,
+            f"{seen}: the client could not keep the schedule; add workers or lower the rate",
+        )
+    return _v(rid, Status.PASS, p99, limit, values.size, seen)
+
+
+def check_infrastructure(
+    ev: Evidence, rules: InfrastructureRules, *, prefix: str = ""
+) -> list[RuleVerdict]:
+    """Every infrastructure check on one run; ids carry `prefix` (e.g. "baseline.")."""
+    q = ev.quality
+    no_watch = None
+    if q.selfwatch_samples == 0:
+        no_watch = "no self-watch samples in the run (a probe has none)"
+    elif q.workers_without_selfwatch:
+        no_watch = f"no self-watch samples from {', '.join(q.workers_without_selfwatch)}"
+    return [
+        _index(ev, rules, f"{prefix}index_complete"),
+        _fraction(
+            f"{prefix}client_saturation",
+            q.saturated,
+            q.sent,
+            rules.max_saturated_fraction,
+            "sent records ran while the client was saturated",
+            "the load generator was the bottleneck; add workers or lower the load, then rerun",
+            no_watch,
+        ),
+        _fraction(
+            f"{prefix}clock_complete",
+            q.clock_incomplete_successes,
+            q.successes,
+            rules.max_clock_incomplete_fraction,
+            "successes have incomplete client stamps",
+            "fix the client's clock stamping (see the records' client_ns) and rerun",
+            None,
+        ),
+        _fraction(
+            f"{prefix}network_break",
+            q.network_break_records,
+            q.sent,
+            rules.max_network_break_fraction,
+            "sent records overlap a declared network break",
+            "the network failed during the run; rerun once it is stable",
+            None,
+        ),
+        _send_lag(ev, rules.max_send_lag_p99_ms, f"{prefix}send_lag"),
+    ]

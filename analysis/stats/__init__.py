@@ -1,0 +1,3 @@
+"""Pure statistics: arrays in, dataclasses out (quantiles and intervals, paired comparison,
+trends).
+"""

@@ -1,0 +1,299 @@
+"""Pre-registered quality rules (spec §8, §9): which records enter the statistics.
+
+Outliers are never removed for being outliers. A record leaves the measured set only
+for one of these reasons, each counted:
+
+    dropped           ext.dropped: an open-loop arrival the client never sent
+    cut_at_stop       ext.cancelled_at == "run_stop": cut because the run ended
+    warmup            quality.warmup: a warmup request (§8.4), not measured
+    clock_incomplete  a success whose client stamps are incomplete (not quality.clock_complete)
+    network_break     the request overlaps a declared network break (network_breaks.json)
+    client_saturated  the client's self-watch saw loop lag > SATURATED_LAG_MS or CPU >
+                      SATURATED_CPU_PERCENT in a sample covering the request
+    interrupted_attempt  a record of a cell attempt that plan.json lists under "excluded"
+                      ({cell, worker, reason}): the pipeline was cut in that cell and
+                      ran it again on resume, so the cut attempt does not count
+
+and a throttled record (quality.throttled, or a throttling chip in device.jsonl during
+the request) is measured but reported apart (§8.7). Every record gets exactly one
+partition, the first that applies in this order:
+
+    dropped, cut_at_stop, warmup, excluded, throttled, measured
+
+Dropped and cut-at-stop records are neither successes nor server errors. A record may
+have several reasons; `QualityReport.by_reason` counts each.
+
+Self-watch sample k of a worker covers (mono_{k−1}, mono_k] of that worker's monotonic
+clock (the first covers one median interval before it); a request of that worker is
+flagged when any sample covering part of [t0, its last stamp] is saturated. Requests of
+a worker without samples are not flagged: that is reported as no data, not as clean.
+
+Samples marked `warmup` (the worker's start-up, before its prompts, tokenization and
+connections were ready; calculet_load.measure.selfwatch) are left out first: the worker sends
+nothing until its warm-up ends, and it closes the warm-up with a sample, so the judged
+samples cover every request and no start-up work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analysis.errors import ArtifactError
+from analysis.tables.join import BoolArray, IntArray
+from analysis.tables.load import RunData
+from calculet_load.schema.selfwatch import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
+
+__all__ = [
+    "QUALITY_COLUMNS",
+    "Partition",
+    "QualityReport",
+    "Reason",
+    "apply_quality",
+]
+
+
+class Reason(StrEnum):
+    DROPPED = "dropped"
+    CUT_AT_STOP = "cut_at_stop"
+    WARMUP = "warmup"
+    CLOCK_INCOMPLETE = "clock_incomplete"
+    NETWORK_BREAK = "network_break"
+    CLIENT_SATURATED = "client_saturated"
+    INTERRUPTED_ATTEMPT = "interrupted_attempt"
+
+
+class Partition(StrEnum):
+    DROPPED = "dropped"
+    CUT_AT_STOP = "cut_at_stop"
+    WARMUP = "warmup"
+    EXCLUDED = "excluded"
+    THROTTLED = "throttled"
+    MEASURED = "measured"
+
+
+QUALITY_COLUMNS: dict[str, pa.DataType] = {
+    "quality.partition": pa.string(),
+    "quality.reasons": pa.string(),
+    "quality.client_saturated": pa.bool_(),
+}
+"""Columns `apply_quality` adds: the record's partition, its reasons joined by ";"
+(null when none) and its self-watch flag."""
+
+_EXCLUDING = (
+    Reason.CLOCK_INCOMPLETE,
+    Reason.NETWORK_BREAK,
+    Reason.CLIENT_SATURATED,
+    Reason.INTERRUPTED_ATTEMPT,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QualityReport:
+    """Counts of the quality step. `sent` = records minus dropped arrivals."""
+
+    records: int
+    sent: int
+    successes: int
+    by_reason: dict[str, int]
+    by_partition: dict[str, int]
+    clock_incomplete_successes: int
+    saturated: int
+    selfwatch_samples: int
+    workers_without_selfwatch: tuple[str, ...]
+    network_break_records: int
+    thresholds: dict[str, float] = field(default_factory=dict)
+    selfwatch_warmup_samples: int = 0  # of selfwatch_samples: start-up, not judged
+
+
+def _bools(table: pa.Table, name: str) -> BoolArray:
+    col = pc.fill_null(table.column(name), False)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _ints(table: pa.Table, name: str) -> tuple[IntArray, BoolArray]:
+    col = table.column(name)
+    ok = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
+    v = np.asarray(pc.fill_null(col, 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    return v, ok
+
+
+def _span(d: pa.Table) -> tuple[IntArray, IntArray, BoolArray]:
+    """[t0, last stamp] of each request on its worker's monotonic clock."""
+    t0, ok = _ints(d, "client_ns.request_start")
+    end = t0.copy()
+    for name in ("headers_sent", "response_headers", "first_event", "first_token"):
+        v, m = _ints(d, f"client_ns.{name}")
+        end = np.where(m, np.maximum(end, v), end)
+    for name in ("last_token", "response_end"):
+        v, m = _ints(d, f"client_ns.{name}")
+        end = np.where(m, np.maximum(end, v), end)
+    return t0, end, ok
+
+
+def _saturation(
+    run: RunData, lag_ms: float, cpu_percent: float
+) -> tuple[BoolArray, tuple[str, ...]]:
+    d = run.requests
+    n = d.num_rows
+    flagged = np.zeros(n, dtype=bool)
+    t0, end, ok = _span(d)
+    workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
+    sw = run.selfwatch
+    if "warmup" in sw.column_names:
+        sw = sw.filter(pc.invert(pc.fill_null(sw.column("warmup"), False)))
+    sw_workers = np.asarray(sw.column("worker").fill_null("").to_numpy(zero_copy_only=False))
+    mono, _ = _ints(sw, "mono_ns")
+    lag = np.nan_to_num(
+        np.asarray(pc.fill_null(sw.column("loop_lag_ms"), 0.0).to_numpy(zero_copy_only=False)),
+        nan=0.0,
+    )
+    cpu = np.asarray(
+        pc.fill_null(sw.column("cpu_percent"), 0.0).to_numpy(zero_copy_only=False),
+        dtype=np.float64,
+    )
+    bad = (lag > lag_ms) | (cpu > cpu_percent)
+    without = []
+    for w in sorted(set(workers[ok].tolist())):  # a set: np.unique sorts 1 M objects
+        rows = np.flatnonzero(sw_workers == w)
+        req = np.flatnonzero((workers == w) & ok)
+        if rows.size == 0:
+            without.append(str(w))
+            continue
+        order = rows[np.argsort(mono[rows], kind="stable")]
+        m, b = mono[order], bad[order]
+        first = m[0] - (int(np.median(np.diff(m))) if m.size > 1 else 1_000_000_000)
+        cum = np.concatenate(([0], np.cumsum(b)))
+        lo = np.searchsorted(m, t0[req], side="left")
+        hi = np.minimum(np.searchsorted(m, end[req], side="left"), m.size - 1)
+        covered = (lo < m.size) & (end[req] > first)
+        lo_c = np.minimum(lo, m.size - 1)
+        count = cum[hi + 1] - cum[lo_c]
+        flagged[req] = covered & (count > 0)
+    return flagged, tuple(without)
+
+
+def _warmup_samples(run: RunData) -> int:
+    sw = run.selfwatch
+    if "warmup" not in sw.column_names:
+        return 0
+    return int(pc.sum(pc.fill_null(sw.column("warmup"), False).cast(pa.int64())).as_py() or 0)
+
+
+def _network_breaks(run: RunData) -> BoolArray:
+    d = run.requests
+    hit = np.zeros(d.num_rows, dtype=bool)
+    if not run.network_breaks:
+        return hit
+    anchor, ok = _ints(d, "ext.wall_anchor_ns")
+    t0, end, t_ok = _span(d)
+    offset = np.zeros(d.num_rows, dtype=np.int64)
+    workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
+    for w, off in run.client_offsets_ns.items():
+        offset[workers == w] = off
+    start = anchor - offset
+    stop = start + np.where(t_ok, end - t0, 0)
+    for b in run.network_breaks:
+        hit |= ok & (start <= b.end_wall_ns) & (stop >= b.start_wall_ns)
+    return hit
+
+
+def _interrupted(run: RunData) -> BoolArray:
+    """Records of the cell attempts plan.json excludes: `excluded` entries name a cell
+    (`ext.cell`) and the worker that ran the cut attempt (`ext.worker`; an entry
+    without a worker excludes the cell's records of every worker)."""
+    d = run.requests
+    hit = np.zeros(d.num_rows, dtype=bool)
+    entries = (run.plan or {}).get("excluded") or []
+    where = f"{run.uri.rstrip('/')}/plan.json"
+    if not isinstance(entries, list):
+        raise ArtifactError(f"{where}: excluded: expected a list")
+    if not entries:
+        return hit
+    cells = np.asarray(d.column("ext.cell").fill_null("").to_numpy(zero_copy_only=False))
+    workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("cell"), str):
+            raise ArtifactError(f"{where}: excluded[{i}]: expected {{cell, worker, reason}}")
+        mask = cells == e["cell"]
+        if e.get("worker") is not None:
+            mask &= workers == str(e["worker"])
+        hit |= mask
+    return hit
+
+
+def apply_quality(
+    run: RunData,
+    *,
+    lag_ms: float = SATURATED_LAG_MS,
+    cpu_percent: float = SATURATED_CPU_PERCENT,
+) -> tuple[pa.Table, QualityReport]:
+    """The joined requests with QUALITY_COLUMNS added, and the counts."""
+    d = run.requests
+    n = d.num_rows
+    dropped = _bools(d, "ext.dropped")
+    cut = np.asarray(
+        pc.fill_null(pc.equal(d.column("ext.cancelled_at"), "run_stop"), False).to_numpy(
+            zero_copy_only=False
+        ),
+        dtype=bool,
+    )
+    success = np.asarray(pc.is_null(d.column("ext.error_class")).to_numpy(), dtype=bool)
+    success &= ~dropped
+    saturated, without = _saturation(run, lag_ms, cpu_percent)
+    saturated &= ~dropped
+    reasons: dict[Reason, BoolArray] = {
+        Reason.DROPPED: dropped,
+        Reason.CUT_AT_STOP: cut & ~dropped,
+        Reason.WARMUP: _bools(d, "quality.warmup") & ~dropped,
+        Reason.CLOCK_INCOMPLETE: success & ~_bools(d, "quality.clock_complete"),
+        Reason.NETWORK_BREAK: _network_breaks(run) & ~dropped,
+        Reason.CLIENT_SATURATED: saturated,
+        Reason.INTERRUPTED_ATTEMPT: _interrupted(run) & ~dropped,
+    }
+    excluded = np.zeros(n, dtype=bool)
+    for r in _EXCLUDING:
+        excluded |= reasons[r]
+    throttled = _bools(d, "quality.throttled")
+    partition = np.full(n, Partition.MEASURED.value, dtype=object)
+    for part, mask in reversed(
+        (
+            (Partition.DROPPED, reasons[Reason.DROPPED]),
+            (Partition.CUT_AT_STOP, reasons[Reason.CUT_AT_STOP]),
+            (Partition.WARMUP, reasons[Reason.WARMUP]),
+            (Partition.EXCLUDED, excluded),
+            (Partition.THROTTLED, throttled),
+        )
+    ):
+        partition[mask] = part.value
+    labelled = [pc.if_else(pa.array(mask), r.value, "") for r, mask in reasons.items()]
+    # (pyarrow 26 returns an empty array from null_handling="skip" when every input
+    # is null: join with empties instead, then squeeze the separators)
+    joined = pc.binary_join_element_wise(*labelled, ";")
+    joined = pc.utf8_trim(pc.replace_substring_regex(joined, ";+", ";"), ";")
+    joined = pc.if_else(pc.equal(joined, ""), pa.scalar(None, pa.string()), joined)
+    table = (
+        d.append_column("quality.partition", pa.array(partition, type=pa.string()))
+        .append_column("quality.reasons", joined)
+        .append_column("quality.client_saturated", pa.array(saturated, type=pa.bool_()))
+    )
+    parts, counts = np.unique(partition.astype(str), return_counts=True)
+    report = QualityReport(
+        records=n,
+        sent=int(n - np.count_nonzero(dropped)),
+        successes=int(np.count_nonzero(success)),
+        by_reason={r.value: int(np.count_nonzero(m)) for r, m in reasons.items()},
+        by_partition={str(p): int(c) for p, c in zip(parts, counts, strict=True)},
+        clock_incomplete_successes=int(np.count_nonzero(reasons[Reason.CLOCK_INCOMPLETE])),
+        saturated=int(np.count_nonzero(saturated)),
+        selfwatch_samples=run.selfwatch.num_rows,
+        workers_without_selfwatch=without,
+        network_break_records=int(np.count_nonzero(reasons[Reason.NETWORK_BREAK])),
+        thresholds={"saturated_lag_ms": lag_ms, "saturated_cpu_percent": cpu_percent},
+        selfwatch_warmup_samples=_warmup_samples(run),
+    )
+    return table, report

@@ -1,0 +1,1 @@
+"""The report's sections: view models and plots."""

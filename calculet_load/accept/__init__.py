@@ -1,0 +1,1 @@
+"""The §15 acceptance pipeline, interleaved A/B, the §14.3 capacity search and the demo."""

@@ -1,0 +1,499 @@
+"""`calculet-load capacity`: the stable maximum QPS of spec §14.3, by search.
+
+Windows of open-loop load at one rate each: the rate doubles from `--start-rate` until a
+window is not stable (or `--max-rate`), then bisects between the last stable and the
+first unstable rate until they are within `--tolerance` of each other. A window is
+stable when, over its measured part (after a warmup share),
+
+  - the backlog does not keep growing: the Theil–Sen slope of the requests in flight
+    (sampled through the window), times the measured span, stays under
+    max(2, backlog_tolerance x arrivals): a queue that keeps growing is not stable,
+    however good the latencies of the requests that did finish;
+  - the reject rate (HTTP 429/503 and arrivals dropped at the client's in-flight cap)
+    is within the SLA;
+  - the P99 server queue time (accepted -> first job prepared, from the server's
+    events), the P99 TTFT and the P99 end-to-end latency are within the SLA, where set.
+
+Rates are requests per *target* second and durations target seconds: against a
+simulator at `--time-scale F` (or the `time_scale` of `/admin/state`) a window of W
+target seconds runs W*F real seconds at rate/F real requests per second. Between windows
+the target drains (nothing in flight, queue empty) so windows do not leak into each
+other. `capacity.json` holds every window (the curve), the verdict reasons and the
+stable maximum; the records go to the run folder through the sink. The spec asks for
+30-minute windows (`--window-s 1800`); shorter ones are a rehearsal and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import gevent
+import gevent.pool
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
+from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
+from calculet_load.measure.selfwatch import sleep_until
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.sink import PartSink
+from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.target.api import TargetAPI, off_loop, time_scale
+from calculet_load.workload.arrivals import RateClock, Schedule
+from calculet_load.workload.mixes import MixError, load_mix, single
+
+CAPACITY_SCHEMA = "calculet-capacity/v1"
+SPEC_WINDOW_S = 1800.0
+
+
+class SLA(BaseModel):
+    """The limits a stable window meets; None: not checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_reject_rate: float | None = Field(default=0.01, ge=0, le=1)
+    max_queue_p99_ms: float | None = Field(default=None, gt=0)  # target ms
+    max_ttft_p99_ms: float | None = Field(default=None, gt=0)
+    max_e2e_p99_ms: float | None = Field(default=None, gt=0)
+    # allowed backlog growth over the measured span, as a share of its arrivals
+    backlog_tolerance: float = Field(default=0.02, ge=0)
+
+
+def load_sla(path: str | None, overrides: dict[str, Any]) -> SLA:
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--sla {path}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--sla {path}: top level must be a mapping")
+        data = loaded.get("sla", loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return SLA.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ValueError(f"sla.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+@dataclasses.dataclass
+class _Req:
+    sent_mono: float
+    rid: str | None = None
+    status: int | None = None
+    error: str | None = None
+    e2e_s: float | None = None
+    ttft_s: float | None = None
+    done_mono: float | None = None
+
+
+def _p99(values: list[float]) -> float | None:
+    """P99 as an observed value (numpy's "higher": x_(ceil(0.99 (n-1)) + 1))."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, math.ceil(0.99 * (len(xs) - 1)))]
+
+
+def _theil_sen(t: list[float], y: list[float]) -> float:
+    from scipy import stats
+
+    return float(stats.theilslopes(y, t).slope) if len(t) >= 3 else 0.0
+
+
+class Capacity:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.a = args
+        self.manifest = load_manifest(args.manifest)
+        target = self.manifest.target
+        self.url = (args.url or (target.url if target else "")).rstrip("/")
+        if not self.url:
+            raise ValueError("target: no --url and no target.url in the manifest")
+        self.protocol = target.protocol if target else "llama"
+        self.model = target.model if target else None
+        self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
+        self.api = TargetAPI(self.url, self.token, operator="calculet-load-capacity")
+        self.sla = load_sla(
+            args.sla,
+            {
+                "max_reject_rate": args.max_reject_rate,
+                "max_queue_p99_ms": args.max_queue_p99_ms,
+                "max_ttft_p99_ms": args.max_ttft_p99_ms,
+                "max_e2e_p99_ms": args.max_e2e_p99_ms,
+            },
+        )
+        if not 0 < args.start_rate <= args.max_rate:
+            raise ValueError("rates: need 0 < --start-rate <= --max-rate")
+        self.mix = load_mix(args.mix) if args.mix else single(args.prompt_tokens, args.max_tokens)
+        self.run_dir = Path(args.run_dir or Path("runs") / f"{self.manifest.run_id}-capacity")
+        self.curve: list[dict[str, Any]] = []
+
+    def say(self, text: str) -> None:
+        if not self.a.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    # ------------------------------------------------------------------ the search
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sink = PartSink(str(self.run_dir), "w00")
+        timeout = self.manifest.timeout_s
+        self.session = Session(
+            RunContext.from_manifest(self.manifest, "w00"),
+            self.url,
+            self.protocol,
+            model=self.model,
+            max_in_flight=self.a.max_in_flight + 64,
+            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
+            sink=self.sink,
+        )
+        tokenize = http_tokenizer(self.url)
+        self.factory = PromptFactory(
+            lambda body: off_loop(lambda: tokenize(body)),
+            mode="chat" if self.protocol == "openai-chat" else "ids",
+        )
+        self.prompts: dict[tuple[int, int], Prompt] = {}
+        try:
+            code = run_in_greenlet(self._search)
+        finally:
+            self.session.close()
+            self.sink.close()
+        return code
+
+    def _search(self) -> int:
+        try:
+            self.api.health()
+        except OSError as exc:
+            self.say(f"capacity: target {self.url} unreachable: {exc}")
+            return EXIT_INFRA
+        self.scale = time_scale(self.api, self.a.time_scale_hint)
+        self.api.skip_to_end("server_events")
+        self.session.pool.prewarm(min(self.a.max_in_flight, 64))
+        self.say(
+            f"capacity search on {self.url}: windows of {self.a.window_s:g} target s "
+            f"({self.a.window_s * self.scale:.1f} s real), rates {self.a.start_rate:g}.."
+            f"{self.a.max_rate:g} req/s (target), tolerance {self.a.tolerance:.0%}"
+        )
+        lo: float | None = None
+        hi: float | None = None
+        rate = self.a.start_rate
+        while rate <= self.a.max_rate * (1 + 1e-9):  # doubling
+            if self._window(rate)["stable"]:
+                lo = rate
+                rate *= 2
+            else:
+                hi = rate
+                break
+        if lo is None:  # even the start rate is not stable: halve down
+            rate = self.a.start_rate / 2
+            while rate >= self.a.start_rate / 64:
+                if self._window(rate)["stable"]:
+                    lo = rate
+                    break
+                hi = rate
+                rate /= 2
+        if lo is not None and hi is not None:  # bisect
+            for _ in range(self.a.max_bisections):
+                if (hi - lo) / lo <= self.a.tolerance:
+                    break
+                mid = (lo + hi) / 2
+                if self._window(mid)["stable"]:
+                    lo = mid
+                else:
+                    hi = mid
+        return self._finish(lo, hi)
+
+    def _prompt(self, tokens: int, sample: int) -> Prompt:
+        if (tokens, sample) not in self.prompts:
+            self.prompts[(tokens, sample)] = self.factory.prompt(tokens, sample)
+        return self.prompts[(tokens, sample)]
+
+    # ------------------------------------------------------------------ a window
+    def _window(self, rate: float) -> dict[str, Any]:
+        a = self.a
+        real_window = a.window_s * self.scale
+        rate_real = rate / self.scale
+        chooser = self.mix.chooser(a.seed)
+        clock = RateClock(rate_real, 1)
+        sched = Schedule(a.arrival, a.seed + len(self.curve), clock)
+        pool = gevent.pool.Pool(a.max_in_flight)
+        reqs: list[_Req] = []
+        dropped = 0
+        cell = f"capacity:{rate:.6g}"
+        samples: list[tuple[float, int]] = []
+        start = time.monotonic()
+        end = start + real_window
+        measure_from = start + a.warmup_fraction * real_window
+
+        def sampler() -> None:
+            every = max(real_window / 200, 0.005)
+            while True:
+                samples.append((time.monotonic(), self.session.in_flight))
+                gevent.sleep(every)
+
+        def send(spec: RequestSpec, req: _Req) -> None:
+            _, out = self.session.send(spec)
+            req.rid = out.request_id
+            req.status = out.http_status
+            req.error = out.error_code if out.error_class else None
+            req.done_mono = time.monotonic()
+            ns = out.client_ns
+            if out.ok and ns.request_start is not None:
+                if ns.response_end is not None:
+                    req.e2e_s = (ns.response_end - ns.request_start) / 1e9
+                if ns.first_token is not None:
+                    req.ttft_s = (ns.first_token - ns.request_start) / 1e9
+
+        watcher = gevent.spawn(sampler)
+        origin = time.monotonic_ns() + 50_000_000
+        while True:
+            nxt = sched.next_for(0)
+            if nxt is None:
+                break
+            k, unit = nxt
+            t = clock.time_of(unit)
+            assert t is not None
+            due = origin + t
+            if due / 1e9 >= end:
+                break
+            entry, sample = chooser.entry_for(k)
+            spec = RequestSpec(
+                prompt=self._prompt(entry.prompt_tokens, sample),
+                max_tokens=entry.max_tokens,
+                stream=entry.stream,
+                cell=cell,
+                arrival=a.arrival,
+                intended_start_ns=due,
+                late_after_ms=5.0,
+            )
+            sleep_until(due)
+            if pool.full():
+                self.session.record_dropped(spec, f"in-flight cap {a.max_in_flight} full")
+                if time.monotonic() >= measure_from:
+                    dropped += 1
+                continue
+            req = _Req(sent_mono=time.monotonic())
+            reqs.append(req)
+            pool.spawn(send, spec, req)
+        samples.append((time.monotonic(), self.session.in_flight))
+        watcher.kill()
+        # the requests still in flight: a grace for the ones about to finish, then cut
+        pool.join(timeout=max(2.0, 0.25 * real_window))
+        cut = len(pool)
+        pool.kill(block=True, timeout=10)
+        self._drain()
+        result = self._judge(rate, reqs, dropped, samples, measure_from, end, cut)
+        self.curve.append(result)
+        m = result["metrics"]
+        self.say(
+            f"  {rate:8.4g} req/s: {'stable  ' if result['stable'] else 'UNSTABLE'} "
+            f"served {m['served_rate']:.4g}/s, backlog +{m['backlog_growth']:.1f}, "
+            f"rejects {m['reject_rate']:.1%}, e2e p99 {_ms(m['e2e_p99_ms'])}, "
+            f"queue p99 {_ms(m['queue_p99_ms'])}"
+            + ("" if result["stable"] else f" ({'; '.join(result['reasons'])})")
+        )
+        return result
+
+    def _judge(
+        self,
+        rate: float,
+        reqs: list[_Req],
+        dropped: int,
+        samples: list[tuple[float, int]],
+        measure_from: float,
+        end: float,
+        cut: int,
+    ) -> dict[str, Any]:
+        sla = self.sla
+        s = self.scale
+        measured = [r for r in reqs if r.sent_mono >= measure_from]
+        arrivals = len(measured) + dropped
+        span = end - measure_from
+        rejects = sum(1 for r in measured if r.status in (429, 503))
+        errors = sum(1 for r in measured if r.error is not None)
+        ok = [r for r in measured if r.error is None and r.e2e_s is not None]
+        served = sum(
+            1
+            for r in reqs
+            if r.done_mono is not None and r.error is None and measure_from <= r.done_mono <= end
+        )
+        pts = [(t, n) for t, n in samples if t >= measure_from]
+        slope = _theil_sen([t for t, _ in pts], [float(n) for _, n in pts])
+        growth = slope * span
+        queue = self._queue_ms({r.rid for r in measured if r.rid})
+        reject_rate = (rejects + dropped) / arrivals if arrivals else 0.0
+        metrics: dict[str, Any] = {
+            "arrivals": arrivals,
+            "completed_ok": len(ok),
+            "errors": errors,
+            "rejects": rejects,
+            "dropped": dropped,
+            "cut_at_window_end": cut,
+            "reject_rate": reject_rate,
+            "served_rate": served / span * s if span > 0 else 0.0,  # per target second
+            "backlog_growth": growth,
+            "in_flight_end": pts[-1][1] if pts else None,
+            "e2e_p99_ms": _scaled(_p99([r.e2e_s for r in ok if r.e2e_s is not None]), s),
+            "ttft_p99_ms": _scaled(_p99([r.ttft_s for r in ok if r.ttft_s is not None]), s),
+            "queue_p99_ms": queue,
+        }
+        reasons = []
+        allowed = max(2.0, sla.backlog_tolerance * arrivals)
+        if growth > allowed:
+            reasons.append(f"backlog grew by {growth:.1f} requests (allowed {allowed:.1f})")
+        if sla.max_reject_rate is not None and reject_rate > sla.max_reject_rate:
+            reasons.append(f"reject rate {reject_rate:.2%} > {sla.max_reject_rate:.2%}")
+        for key, limit in (
+            ("queue_p99_ms", sla.max_queue_p99_ms),
+            ("ttft_p99_ms", sla.max_ttft_p99_ms),
+            ("e2e_p99_ms", sla.max_e2e_p99_ms),
+        ):
+            value = metrics[key]
+            if limit is not None and (value is None or value > limit):
+                reasons.append(f"{key} {_ms(value)} > {limit:g} ms")
+        if errors - rejects > 0:
+            reasons.append(f"{errors - rejects} request(s) failed (not rejections)")
+        if not ok:
+            reasons.append("no request completed in the measured part")
+        return {"rate": rate, "stable": not reasons, "reasons": reasons, "metrics": metrics}
+
+    def _queue_ms(self, rids: set[str]) -> float | None:
+        """P99 of the server's queue time (accepted -> job_prepared of step 0), target ms."""
+        try:
+            rows = self.api.trace_rows("server_events")
+        except OSError:
+            return None
+        accepted: dict[str, int] = {}
+        queue: list[float] = []
+        for r in rows:
+            rid = r.get("request_id")
+            if rid not in rids:
+                continue
+            if r["event"] == "accepted":
+                accepted[rid] = r["mono_ns"]
+            elif r["event"] == "job_prepared" and r.get("step_index") == 0 and rid in accepted:
+                queue.append((r["mono_ns"] - accepted.pop(rid)) / 1e6 / self.scale)
+        return _p99(queue)
+
+    def _drain(self) -> None:
+        """Wait until the target is idle again (nothing queued or running)."""
+        deadline = time.monotonic() + max(5.0, 60 * self.scale)
+        while time.monotonic() < deadline:
+            try:
+                if self.token:
+                    st = self.api.state()
+                    if st.get("sequences_active") == 0 and st.get("queue", {}).get("waiting") == 0:
+                        break
+                else:
+                    q = self.api.metric("calculet_requests_queued")
+                    a = self.api.metric("calculet_sequences_active")
+                    if not q and not a:
+                        break
+            except OSError:
+                pass
+            gevent.sleep(0.05)
+        gevent.sleep(max(0.5, 2 * self.scale))  # the target flushes its traces
+
+    # ------------------------------------------------------------------ output
+    def _finish(self, lo: float | None, hi: float | None) -> int:
+        doc = {
+            "schema": CAPACITY_SCHEMA,
+            "run_id": self.manifest.run_id,
+            "target": self.url,
+            "time_scale": self.scale,
+            "window_s": self.a.window_s,
+            "rehearsal": self.a.window_s < SPEC_WINDOW_S or self.scale != 1.0,
+            "arrival": self.a.arrival,
+            "workload": self.mix.model_dump(by_alias=True),
+            "sla": self.sla.model_dump(),
+            "tolerance": self.a.tolerance,
+            "stable_max_qps": lo,
+            "first_unstable_qps": hi,
+            "reached_max_rate": hi is None and lo is not None,
+            "curve": sorted(self.curve, key=lambda w: w["rate"]),
+            "search_order": [w["rate"] for w in self.curve],
+        }
+        (self.run_dir / "capacity.json").write_text(json.dumps(doc, indent=1, default=str))
+        self.say("capacity curve (target req/s):")
+        for w in doc["curve"]:
+            m = w["metrics"]
+            self.say(
+                f"  {w['rate']:10.4g}  {'stable' if w['stable'] else 'UNSTABLE':8}  "
+                f"served {m['served_rate']:8.4g}  e2e p99 {_ms(m['e2e_p99_ms']):>10}  "
+                f"rejects {m['reject_rate']:6.1%}"
+            )
+        if lo is None:
+            self.say("capacity: no stable rate found")
+            print(f"capacity: no stable rate; {self.run_dir / 'capacity.json'}")
+            return EXIT_FAIL
+        bound = "at least (the max rate was stable)" if hi is None else f"below {hi:.4g}"
+        print(f"capacity: stable max {lo:.4g} req/s ({bound}); {self.run_dir / 'capacity.json'}")
+        return EXIT_OK
+
+
+def _scaled(seconds: float | None, scale: float) -> float | None:
+    return None if seconds is None else seconds * 1000.0 / scale
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", required=True, help="run manifest YAML")
+    p.add_argument("--url", help="target URL (default: the manifest's target.url)")
+    p.add_argument("--run-dir", help="run folder (default: runs/<run_id>-capacity)")
+    p.add_argument("--start-rate", type=float, default=0.5, help="first rate, req/s (target)")
+    p.add_argument("--max-rate", type=float, default=64.0, help="highest rate tried")
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=SPEC_WINDOW_S,
+        help="target seconds per rate (spec §14.3: 1800; shorter is a rehearsal)",
+    )
+    p.add_argument(
+        "--warmup-fraction", type=float, default=0.2, help="share of each window not measured"
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="bisect until (unstable - stable) / stable <= this",
+    )
+    p.add_argument("--max-bisections", type=int, default=8)
+    p.add_argument("--arrival", choices=("poisson", "constant", "gamma"), default="poisson")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--mix", help="a workload mix (configs/mixes) instead of one shape")
+    p.add_argument("--max-in-flight", type=int, default=512, help="client in-flight cap")
+    p.add_argument("--sla", help="SLA YAML (keys of calculet_load.accept.capacity.SLA)")
+    p.add_argument("--max-reject-rate", type=float)
+    p.add_argument("--max-queue-p99-ms", type=float, help="target ms")
+    p.add_argument("--max-ttft-p99-ms", type=float, help="target ms")
+    p.add_argument("--max-e2e-p99-ms", type=float, help="target ms")
+    p.add_argument(
+        "--time-scale-hint",
+        type=float,
+        help="real seconds per target second (default: /admin/state time_scale)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cap = Capacity(args)
+    except (ValueError, ManifestError, MixError) as exc:
+        print(f"capacity: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    return cap.run()

@@ -1,0 +1,86 @@
+"""The fault matrix of §12 as a step of `calculet-load accept` (`--faults DIR`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, RunStop
+from calculet_load.faults.matrix import (
+    ERROR,
+    FAIL,
+    NOT_RUN,
+    FaultMatrix,
+    FaultOptions,
+)
+
+__all__ = ["FaultStepHost", "run_fault_step"]
+
+
+class FaultStepHost(Protocol):
+    """What the step reads and sets on the acceptance run that hosts it."""
+
+    o: Any
+    log: Any
+    url: str
+    run_dir: Path
+    code: int
+    notes: list[str]
+
+
+def run_fault_step(pipeline: FaultStepHost) -> None:
+    """The fault matrix as a step of `calculet-load accept` (after the matrix, before
+    golden after; `--faults DIR`). Every scenario runs on the target under test, except
+    one that stops it. A failed scenario, or one not run because the manifest does not
+    authorize its maintenance actions (§12.4), makes the run a correctness failure (exit 1)
+    and the run goes on to golden after (the recovery check); an invalid scenario file
+    stops the run with exit 2, a target without a fault API with exit 3."""
+    o = pipeline.o
+    log = pipeline.log
+    scenarios = o.extra.get("faults")
+    log.write("faults", "start", scenarios=scenarios,
+              broken_rehearsal=os.environ.get("CALCULET_FAULTS_BROKEN"))  # fmt: skip
+    # rehearsals against the simulator only: arm these scenarios' faults broken
+    broken = [x for x in os.environ.get("CALCULET_FAULTS_BROKEN", "").split(",") if x] or None
+    opts = FaultOptions(
+        manifest=o.manifest, scenarios=scenarios, url=pipeline.url,
+        run_dir=str(pipeline.run_dir), golden=o.golden, admin_token=o.admin_token,
+        progress=o.progress, broken=broken, run_started_wall_ns=_run_start(pipeline.run_dir),
+    )  # fmt: skip
+    try:
+        fm = FaultMatrix(opts)
+    except SystemExit:
+        log.write("faults", "end", code=EXIT_INVALID)
+        raise RunStop(EXIT_INVALID, f"faults: invalid scenarios in {scenarios}") from None
+    code = fm.run()
+    doc = fm.document()
+    failed = [r["name"] for r in fm.results if r["verdict"] in (FAIL, ERROR)]
+    not_run = [r["name"] for r in fm.results if r["verdict"] == NOT_RUN]
+    log.write("faults", "end", code=code, summary=doc["summary"], failed=failed,
+              not_run=not_run, file="faults.json")  # fmt: skip
+    if code == EXIT_INFRA:
+        raise RunStop(EXIT_INFRA, f"faults: {doc['infrastructure_error']}")
+    if code == EXIT_FAIL:
+        pipeline.code = 1
+        if failed:
+            pipeline.notes.append(f"faults: {len(failed)} scenario(s) failed: {', '.join(failed)}")
+        if not_run:
+            pipeline.notes.append(
+                f"faults: {len(not_run)} scenario(s) NOT RUN (not authorized by the manifest, "
+                f"spec §12.4): {', '.join(not_run)}"
+            )
+
+
+def _run_start(run_dir: Path) -> int | None:
+    """When the acceptance run began: its first `run start` event (events.jsonl)."""
+    try:
+        with (Path(run_dir) / "events.jsonl").open(encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                if row.get("step") == "run" and row.get("status") == "start":
+                    return int(row["wall_ns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None

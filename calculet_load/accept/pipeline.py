@@ -1,0 +1,825 @@
+# size: the §8 steps in order; their plumbing is to become shared steps (issue 16)
+"""`calculet-load accept`: the automated acceptance run of spec §15 in the order of §8.
+
+Steps, each logged to `events.jsonl` in the run folder as it starts and ends:
+
+  1 release    manifest valid; calbin sha256 and versions match the target (exit 2)
+  2 idle       sample the device until temperature/power/frequency are stable
+  3 golden     the fixed golden set; any mismatch stops the run (exit 1)
+  4 warmup     `warmup_requests` per new request shape, recorded as warmup
+  5 matrix     the cells in a seeded random order, each with its repetitions, an idle
+               gap between cells; `plan.json` holds the order, seeds and progress
+  6 golden     the golden set again
+  7 resources  KV, buffer leases and sequences back to their idle values
+  8 traces     the server's traces copied into `server/`
+  9 analysis   `analysis` judges the folder (and a baseline run): verdict.json
+ 10 report     the HTML report; 11 sign: the signed bundle
+
+An interrupted run resumes from `plan.json` (`--resume RUN_DIR`): finished cells are not
+repeated; the records of a cell that was cut are kept and excluded with their reason.
+The matrix's cells are split into shares (calculet_load.workload.dispatch) sent from this process
+on its own gevent loop, or with `--workers N`/`--master` by Locust workers with this
+process as their master (calculet_load.locust.cells). `--interleave-with TARGET` runs a
+baseline target's cells between the candidate's (calculet_load.accept.interleave).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gevent
+
+from calculet_load.accept.faultstep import run_fault_step
+from calculet_load.clock import clock_provenance
+from calculet_load.doors import AnalysisDoor
+from calculet_load.errors import (
+    EXIT_FAIL,
+    EXIT_INFRA,
+    EXIT_INVALID,
+    EXIT_OK,
+    RunStop,
+)
+from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.selfwatch import SelfWatch
+from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
+from calculet_load.measure.sink import PartSink, sink_status
+from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
+from calculet_load.target.netprobe import RttRounds
+from calculet_load.workload.dispatch import (
+    BURST_GAP_S,
+    BURST_LEAD_S,
+    OPEN_LEAD_S,
+    CellRunner,
+    FleetError,
+    Share,
+    split,
+)
+from calculet_load.workload.matrix import (
+    Cell,
+    GoldenSet,
+    Matrix,
+    MatrixError,
+    load_golden,
+    load_matrix,
+)
+from calculet_load.workload.mixes import load_mix, single
+
+PLAN_SCHEMA = "calculet-plan/v1"
+# what stays in place when a cut attempt is set aside: an interleaved run's baseline
+# folder (it sets its own attempts aside) and the baseline manifest made from a URL
+SET_ASIDE_KEEPS = {"aborted", "baseline", "manifest.given.yaml"}
+
+
+@dataclass
+class Options:
+    manifest: str
+    matrix: str
+    golden: str | None = None
+    run_dir: str | None = None
+    url: str | None = None
+    seed: int = 0
+    baseline_run: str | None = None
+    rules: str | None = None
+    calbin: str | None = None
+    admin_token: str | None = None
+    idle_window_s: float = 300.0
+    idle_timeout_s: float = 1800.0
+    idle_gap_s: float = 2.0
+    min_repetitions: int | None = None  # rehearsals only: below §8's 30/100, flagged
+    record_golden: bool = False
+    resume: bool = False
+    skip_report: bool = False
+    progress: bool = True
+    workers: int = 0  # start this many local Locust worker processes
+    master: bool = False  # wait for `expect_workers` remote Locust workers
+    expect_workers: int = 1
+    master_bind_host: str = "*"
+    master_bind_port: int = 5557
+    workers_timeout_s: float = 120.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    analysis: AnalysisDoor | None = None  # analyze, report, sign (calculet_load.commands)
+
+
+class EventLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, step: str, status: str, **detail: Any) -> None:
+        row = {"wall_ns": time.time_ns(), "step": step, "status": status, **detail}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+class InProcess:
+    """The pipeline's own process as the run's one client."""
+
+    processes = 1
+
+    def __init__(self, runner: CellRunner) -> None:
+        self.runner = runner
+
+    def run_step(
+        self, step: list[Share | None], job: dict[str, Any], lead_s: float, run_dir: Path
+    ) -> int:
+        share = step[0]
+        assert share is not None
+        self.runner.prepare(share)
+        share = dataclasses.replace(share, start_wall_ns=time.time_ns() + int(lead_s * 1e9))
+        return run_in_greenlet(lambda: self.runner.run(share))
+
+
+class Pipeline:
+    def __init__(self, opts: Options) -> None:
+        self.o = opts
+        try:
+            self.manifest: RunManifest = load_manifest(opts.manifest)
+            self.matrix: Matrix = load_matrix(opts.matrix)
+            self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
+        except (ManifestError, MatrixError) as exc:
+            raise RunStop(EXIT_INVALID, str(exc)) from None
+        target = self.manifest.target
+        self.url = (opts.url or (target.url if target else "")).rstrip("/")
+        if not self.url:
+            raise RunStop(EXIT_INVALID, "target: no --url and no target.url in the manifest")
+        self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
+        self.protocol = target.protocol if target else "llama"
+        self.model = target.model if target else None
+        self.run_dir = Path(opts.run_dir or Path("runs") / self.manifest.run_id)
+        self.cells = self.matrix.expanded()
+        self.plan: dict[str, Any] = {}
+        self.code = EXIT_OK
+        self.notes: list[str] = []
+        self.sampler: Any = None
+        self.fleet: Any = None  # calculet_load.locust.cells.Fleet in a distributed run
+        self.label = ""  # " (baseline)" / " (candidate)" in an interleaved run
+        self.owns_fleet = True  # False: the fleet is the interleaved candidate's
+
+    # --------------------------------------------------------------- helpers
+    def say(self, text: str) -> None:
+        if self.o.progress:
+            print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    def _get_json(self, path: str, admin: bool = False) -> Any:
+        req = urllib.request.Request(self.url + path)
+        if admin and self.o.admin_token:
+            req.add_header("Authorization", f"Bearer {self.o.admin_token}")
+        return json.loads(_off_loop(lambda: _read_url(req)))
+
+    def _save_plan(self) -> None:
+        tmp = self.run_dir / "plan.json.tmp"
+        tmp.write_text(json.dumps(self.plan, indent=1))
+        tmp.replace(self.run_dir / "plan.json")
+
+    # --------------------------------------------------------------- the run
+    def run(self) -> int:
+        resumed = self.open()
+        try:
+            self.before_matrix(resumed)
+            self._matrix()
+            self.after_matrix()
+        except RunStop as stop:
+            self.stopped(stop)
+        finally:
+            self.close()
+        return self.end()
+
+    def open(self) -> bool:
+        """The run folder, its event log, the plan (resumed?), the session and sink."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        plan = self.run_dir / "plan.json"
+        if self.o.resume and not plan.exists() and (self.run_dir / "events.jsonl").exists():
+            self._set_aside()
+        self.log = EventLog(self.run_dir / "events.jsonl")
+        resumed = self.o.resume and plan.exists()
+        attempt = 1
+        if resumed:
+            self.plan = json.loads(plan.read_text())
+            attempt = int(self.plan.get("attempts", 1)) + 1
+            self.plan["attempts"] = attempt
+        self.worker = "w00" if attempt == 1 else f"w00-r{attempt - 1}"
+        ctx = RunContext.from_manifest(self.manifest, self.worker)
+        self.sink = PartSink(str(self.run_dir), self.worker)
+        timeout = self.manifest.timeout_s
+        self.session = Session(
+            ctx,
+            self.url,
+            self.protocol,
+            model=self.model,
+            max_in_flight=1024,
+            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
+            sink=self.sink,
+        )
+        self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
+        self.watch.start()
+        self.clients: Any = InProcess(CellRunner(self.session, self._prompt))
+        self.prompts: dict[tuple[int, int], Prompt] = {}
+        tokenize = http_tokenizer(self.url)
+        self.factory = PromptFactory(
+            lambda body: _off_loop(lambda: tokenize(body)),
+            mode="chat" if self.protocol == "openai-chat" else "ids",
+        )
+        return resumed
+
+    def _set_aside(self) -> None:
+        """An attempt cut before its plan existed (in release, idle, golden or warmup):
+        its files move to `aborted/attempt-N/`, kept and signed with the run but outside
+        what the analysis reads, and the run starts over."""
+        aborted = self.run_dir / "aborted"
+        n = len(list(aborted.glob("attempt-*"))) + 1 if aborted.exists() else 1
+        dest = aborted / f"attempt-{n}"
+        dest.mkdir(parents=True)
+        for path in list(self.run_dir.iterdir()):
+            if path.name not in SET_ASIDE_KEEPS:
+                path.rename(dest / path.name)
+        self.say(f"the attempt cut before its plan existed is kept in {dest}; starting over")
+
+    def stopped(self, stop: RunStop) -> None:
+        self.log.write("run", "stopped", code=stop.code, reason=str(stop))
+        self.say(f"STOP (exit {stop.code}): {stop}")
+        self.code = stop.code
+
+    def close(self) -> None:
+        """RunStop sending: samplers, workers, self-watch, session; the sink's last part."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.fleet is not None:
+            self._close_fleet()
+        self.watch.stop()
+        self.session.close()
+        self.sink.close()
+
+    def end(self) -> int:
+        if self.code in (EXIT_OK, EXIT_FAIL):
+            self._finish()  # ends with the signature: nothing is written after it
+        else:
+            self.log.write("run", "end", code=self.code)
+        return self.code
+
+    def before_matrix(self, resumed: bool) -> None:
+        if not resumed:
+            self.log.write("run", "start", run_id=self.manifest.run_id, target=self.url)
+            (self.run_dir / "manifest.yaml").write_text(Path(self.o.manifest).read_text())
+            self._release()
+            self._start_fleet()
+            self._idle()
+            self._golden("golden_before")
+            self._warmup()
+            self._make_plan()
+        else:
+            self.log.write("run", "resume", attempt=self.plan["attempts"])
+            self.say(f"resuming {self.run_dir} (attempt {self.plan['attempts']})")
+            self._release()
+            self._start_fleet()
+
+    def golden_and_resources(self) -> None:
+        self._golden("golden_after")
+        self._resources()
+
+    def after_matrix(self) -> None:
+        # --- issue 8: the fault matrix of §12 (calculet_load/faults/matrix.py), with --faults ---
+        if self.o.extra.get("faults"):
+            run_fault_step(self)
+        # --- end of the fault matrix step ----------------------------------------------
+        self.golden_and_resources()
+
+    # --------------------------------------------------------------- 1 release
+    def _release(self) -> None:
+        self.log.write("release", "start")
+        m = self.manifest.model
+        checked = []
+        if self.o.calbin:
+            digest = _sha256_file(self.o.calbin)
+            if digest != m.calbin_sha256:
+                raise RunStop(
+                    EXIT_INVALID,
+                    f"release: calbin {self.o.calbin} sha256 {digest[:12]}… != manifest "
+                    f"model.calbin_sha256 {m.calbin_sha256[:12]}…",
+                )
+            checked.append("calbin file")
+        try:
+            health = self._get_json("/health")
+        except (OSError, ValueError) as exc:
+            raise RunStop(EXIT_INFRA, f"release: target {self.url} unreachable: {exc}") from None
+        state: Any = None
+        if self.o.admin_token:
+            try:
+                state = self._get_json("/admin/state", admin=True)
+            except (OSError, ValueError) as exc:
+                raise RunStop(EXIT_INVALID, f"release: /admin/state: {exc}") from None
+            served = state.get("calbin_sha256")
+            if served != m.calbin_sha256:
+                raise RunStop(
+                    EXIT_INVALID,
+                    f"release: the target serves calbin {str(served)[:12]}… but the manifest "
+                    f"says model.calbin_sha256 {m.calbin_sha256[:12]}…",
+                )
+            if state.get("generation") is not None and state["generation"] != m.generation:
+                raise RunStop(
+                    EXIT_INVALID,
+                    f"release: the target is at generation {state['generation']}, the "
+                    f"manifest says model.generation {m.generation}",
+                )
+            checked.append("served calbin and generation")
+        else:
+            self.notes.append("release: no admin token, the served calbin was not checked")
+        batch = _release_batch(self.matrix, self.manifest, state)
+        if batch is not None and batch["served_compiled_batch"] is not None:
+            checked.append("served compiled batch")
+        self.log.write("release", "end", checked=checked, health=health.get("status"), batch=batch)
+        self.say(f"release verified ({', '.join(checked) or 'manifest only'})")
+        self.rtt.take("before")
+
+    # --------------------------------------------------------------- workers
+    def _start_fleet(self) -> None:
+        """A distributed run: become the Locust master of the client processes."""
+        o = self.o
+        if not (o.workers or o.master):
+            return
+        from calculet_load.locust.cells import Fleet
+
+        expect = o.workers or o.expect_workers
+        self.fleet = Fleet(
+            self.run_dir,
+            expect=expect,
+            local=o.workers,
+            bind_host="127.0.0.1" if o.workers else o.master_bind_host,
+            bind_port=_free_port() if o.workers else o.master_bind_port,
+            suffix=self.worker[len("w00") :],
+            say=self.say,
+        )
+        self.log.write(
+            "workers", "start", expect=expect, local=o.workers, port=self.fleet.bind_port
+        )
+        try:
+            self.fleet.start(o.workers_timeout_s)
+        except FleetError as exc:
+            raise RunStop(EXIT_INFRA, f"workers: {exc}") from None
+        self.clients = self.fleet
+        self.log.write("workers", "end", workers=list(self.fleet.names.values()))
+
+    def _close_fleet(self) -> None:
+        reports = self.fleet.finish(self.manifest.run_id, self.run_dir)
+        if self.owns_fleet:
+            self.fleet.close()
+        missing = [r["worker"] for r in reports if r.get("status") == "missing"]
+        self.log.write("workers", "closed", missing=missing)
+        if missing:
+            self.notes.append(f"workers {', '.join(missing)} did not report at the end")
+
+    # --------------------------------------------------------------- 2 idle
+    def _idle(self) -> None:
+        """Wait until the device's temperature, power and frequency are stable.
+
+        Samples the target's `/metrics` (spec §10.3 gauges `calculet_chip_temperature_c`,
+        `calculet_chip_power_w`, `calculet_chip_frequency_mhz`) until, over the last
+        `--idle-window-s`, the hottest chip moved <= 0.5 C, total power <= 1 W and the
+        lowest frequency did not change."""
+        window = self.o.idle_window_s
+        self.log.write("idle", "start", window_s=window)
+        self.say(f"idle sampling: waiting for a stable {window:g} s window")
+        rows: list[tuple[float, float, float, float]] = []
+        started = time.monotonic()
+        stable = False
+        while time.monotonic() - started < self.o.idle_timeout_s:
+            try:
+                sample = _device_sample(_get_bytes(f"{self.url}/metrics").decode())
+            except (OSError, ValueError) as exc:
+                self.notes.append(f"idle: no device telemetry from /metrics ({exc}); skipped")
+                self.log.write("idle", "end", stable=None, reason=str(exc))
+                return
+            if sample is None:
+                self.notes.append("idle: /metrics has no chip gauges; idle sampling skipped")
+                self.log.write("idle", "end", stable=None, reason="no chip gauges")
+                return
+            now = time.monotonic()
+            rows.append((now, *sample))
+            if now - rows[0][0] >= window:
+                recent = [r for r in rows if r[0] >= now - window]
+                spread = [max(x) - min(x) for x in list(zip(*recent, strict=True))[1:]]
+                if spread[0] <= 0.5 and spread[1] <= 1.0 and spread[2] <= 0.0:
+                    stable = True
+                    break
+            gevent.sleep(min(1.0, max(window / 10, 0.1)))
+        last = rows[-1] if rows else None
+        self.log.write("idle", "end", stable=stable, samples=len(rows), last=last)
+        if not stable:
+            self.notes.append("idle: the device did not become stable within the timeout")
+        self.say(f"idle sampling: {'stable' if stable else 'NOT stable'} ({len(rows)} samples)")
+
+    def _device_now(self) -> dict[str, Any] | None:
+        """The device as a cell starts or ends (§8: temperature and throttling per
+        round): hottest chip, total power, lowest frequency, throttled chips; None when
+        the target has no chip gauges."""
+        try:
+            v = _chip_gauges(_get_bytes(f"{self.url}/metrics").decode())
+        except (OSError, ValueError):
+            return None
+        if not v["temperature_c"]:
+            return None
+        return {
+            "temperature_c": max(v["temperature_c"]),
+            "power_w": sum(v["power_w"]) if v["power_w"] else None,
+            "frequency_mhz": min(v["frequency_mhz"]) if v["frequency_mhz"] else None,
+            "throttled_chips": int(sum(v["throttled"])),
+        }
+
+    # --------------------------------------------------------------- 3/6 golden
+    def _golden(self, step: str) -> None:
+        if self.golden is None:
+            self.log.write(step, "skipped", reason="no golden set given")
+            return
+        self.log.write(step, "start", cases=len(self.golden.cases))
+        expected = [
+            {"cell": f"{prefix}:{c.name}", "token_hash": c.token_hash}
+            for prefix in ("golden_before", "golden_after")
+            for c in self.golden.cases
+            if c.token_hash is not None
+        ]
+        if expected:  # the analysis judges golden records against these, not a majority
+            (self.run_dir / "golden.json").write_text(json.dumps({"cases": expected}, indent=1))
+        failures = []
+        recorded = []
+        for case in self.golden.cases:
+            prompt = self._prompt(case.prompt_tokens, case.sample)
+            spec = golden_spec(case, prompt, f"{step}:{case.name}")
+            record, _ = run_in_greenlet(functools.partial(self.session.send, spec))
+            got = record.result.token_hash
+            if record.ext.error_class is not None:
+                failures.append(f"{case.name}: {record.ext.error_class}")
+            elif case.token_hash is None:
+                recorded.append({"name": case.name, "token_hash": got})
+            elif got != case.token_hash:
+                failures.append(
+                    f"{case.name}: token hash {str(got)[:12]}… != {case.token_hash[:12]}…"
+                )
+        if recorded:
+            self.log.write(step, "recorded", hashes=recorded)
+            if step == "golden_before":
+                self.notes.append(
+                    f"golden: {len(recorded)} case(s) had no expected hash: recorded in "
+                    "events.jsonl (compared with this run's majority by the analysis)"
+                )
+        self.log.write(step, "end", failures=failures)
+        self.say(f"{step}: {len(self.golden.cases) - len(failures)}/{len(self.golden.cases)} match")
+        if failures:
+            raise RunStop(EXIT_FAIL, f"{step} failed: {'; '.join(failures[:3])}")
+
+    # --------------------------------------------------------------- 4 warmup
+    def _warmup(self) -> None:
+        n = self.manifest.warmup_requests
+        shapes = sorted({(c.prompt_tokens, c.max_tokens) for c in self.cells if not c.mix})
+        for c in self.cells:
+            if c.mix:
+                shapes += [(e.prompt_tokens, e.max_tokens) for e in load_mix(c.mix).entries]
+        shapes = sorted(set(shapes))
+        self.log.write("warmup", "start", shapes=shapes, per_shape=n)
+        for p, o in shapes:
+            for i in range(n):
+                spec = RequestSpec(
+                    prompt=self._prompt(p, i % 4), max_tokens=o, cell=f"warmup:p{p}-o{o}",
+                    concurrency=1, arrival="single", warmup=True,
+                )  # fmt: skip
+                run_in_greenlet(functools.partial(self.session.send, spec))
+        self.log.write("warmup", "end")
+        self.say(f"warmup: {n} request(s) for each of {len(shapes)} shape(s)")
+
+    # --------------------------------------------------------------- 5 matrix
+    def _make_plan(self) -> None:
+        order = list(range(len(self.cells)))
+        random.Random(f"calculet-plan:{self.o.seed}").shuffle(order)
+        cells = []
+        for i in order:
+            c = self.cells[i]
+            reps = self.matrix.repetitions_for(c)
+            if self.o.min_repetitions is not None:
+                reps = min(reps, self.o.min_repetitions)
+            cells.append(
+                {"name": c.name, "index": i, "repetitions": reps, "status": "pending",
+                 "seed": self.o.seed * 1_000_003 + i}
+            )  # fmt: skip
+        self.plan = {
+            "schema": PLAN_SCHEMA,
+            "run_id": self.manifest.run_id,
+            "seed": self.o.seed,
+            "attempts": 1,
+            "options": {k: v for k, v in vars(self.o).items() if k != "admin_token"},
+            "below_minimum_repetitions": self.o.min_repetitions is not None,
+            "cells": cells,
+            "excluded": [],
+        }
+        self._save_plan()
+
+    def _matrix(self) -> None:
+        todo = self.matrix_start()
+        for n, entry in enumerate(todo, 1):
+            self.run_entry(entry, f"{n}/{len(todo)}")
+        self.log.write("matrix", "end")
+
+    def matrix_start(self) -> list[dict[str, Any]]:
+        """The resource sampler on; cut cell attempts excluded; the cells still to run."""
+        if self.o.admin_token:
+            # the target's RSS, FDs, threads, KV and leases through the run (leak analysis)
+            from calculet_load.target.resources import ResourceSampler
+
+            self.sampler = ResourceSampler(
+                self.url, self.run_dir / "server" / "resources.jsonl",
+                admin_token=self.o.admin_token, interval_s=1.0,
+            ).start()  # fmt: skip
+        todo = [c for c in self.plan["cells"] if c["status"] != "done"]
+        self.log.write("matrix", "start", cells=len(self.plan["cells"]), todo=len(todo))
+        for entry in self.plan["cells"]:
+            if entry["status"] == "running":  # cut by a crash: its records are excluded
+                self.plan["excluded"].append(
+                    {"cell": entry["name"], "worker": entry.get("worker"),
+                     "reason": "interrupted cell attempt (the cell was run again)"}
+                )  # fmt: skip
+        return todo
+
+    def run_entry(self, entry: dict[str, Any], progress: str) -> None:
+        """One cell of the plan, with its repetitions; then the idle gap."""
+        cell = self.cells[entry["index"]]
+        entry["status"], entry["worker"] = "running", self.worker
+        entry["started_wall_ns"] = time.time_ns()
+        self._save_plan()
+        self.log.write("cell", "start", cell=cell.name, device=self._device_now())
+        self.say(f"cell {progress} {cell.name}: {entry['repetitions']} request(s){self.label}")
+        try:
+            sent = self._run_cell(cell, entry["repetitions"], int(entry["seed"]))
+        except FleetError as exc:  # the cell stays "running": a resume runs it again
+            code = EXIT_INFRA if exc.infra else EXIT_INVALID
+            raise RunStop(code, f"{cell.name}: {exc}") from None
+        self.sink.flush_polling(gevent.sleep)  # the cell's records are on disk: it is done
+        entry["status"], entry["requests"] = "done", sent
+        entry["ended_wall_ns"] = time.time_ns()
+        self._save_plan()
+        self.log.write("cell", "end", cell=cell.name, requests=sent, device=self._device_now())
+        if self.o.idle_gap_s:
+            gevent.sleep(self.o.idle_gap_s)
+
+    def _run_cell(self, cell: Cell, reps: int, seed: int) -> int:
+        self.rtt.take("during")  # between cells, at most once a minute
+        mix = load_mix(cell.mix) if cell.mix else single(cell.prompt_tokens, cell.max_tokens)
+        steps = split(cell, mix, reps, seed, self.clients.processes)
+        lead = OPEN_LEAD_S if cell.kind == "open" else BURST_LEAD_S
+        sent = 0
+        for r, step in enumerate(steps):
+            if cell.kind == "burst":
+                if r:
+                    gevent.sleep(BURST_GAP_S)
+                burst_id = f"{self.manifest.run_id}.{cell.name}.{r:03d}"
+                step = [s and dataclasses.replace(s, burst_id=burst_id) for s in step]
+            sent += self.clients.run_step(step, self._job(), lead, self.run_dir)
+        return sent
+
+    def _job(self) -> dict[str, Any]:
+        """What a worker of a distributed run needs to send on this run's behalf."""
+        ctx = dataclasses.asdict(RunContext.from_manifest(self.manifest, self.worker))
+        target = {"url": self.url, "protocol": self.protocol, "model": self.model,
+                  "timeout_s": self.manifest.timeout_s}  # fmt: skip
+        return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
+
+    # --------------------------------------------------------------- 7 resources
+    def _resources(self) -> None:
+        self.log.write("resources", "start")
+        if not self.o.admin_token:
+            self.log.write("resources", "end", checked=False, reason="no admin token")
+            return
+        deadline = time.monotonic() + 30
+        state: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            state = self._get_json("/admin/state", admin=True)
+            busy = (
+                state["kv"]["allocated_tokens"],
+                state["buffer_pool"]["leased"],
+                state["sequences_active"],
+            )
+            if busy == (0, 0, 0):
+                break
+            gevent.sleep(0.5)
+        back = (
+            state.get("kv", {}).get("allocated_tokens") == 0
+            and state.get("buffer_pool", {}).get("leased") == 0
+            and state.get("sequences_active") == 0
+        )
+        self.log.write("resources", "end", checked=True, back_to_baseline=back,
+                       kv_allocated=state.get("kv", {}).get("allocated_tokens"),
+                       leased=state.get("buffer_pool", {}).get("leased"))  # fmt: skip
+        self.say(f"resources back to baseline: {back}")
+        if not back:
+            raise RunStop(EXIT_FAIL, "resources: KV/leases/sequences did not return to idle")
+
+    # --------------------------------------------------------------- 8-11
+    def _finish(self) -> None:
+        self._write_index()
+        self._collect_traces()
+        self.log.write("analysis", "start")
+        code = self._analyze()
+        self.log.write("analysis", "end", code=code)
+        # a stop for correctness wins; otherwise the analysis decides
+        self.code = self.code if self.code == EXIT_FAIL else code
+        if not self.o.skip_report:
+            self._report()
+        self.log.write("run", "end", code=self.code)
+        self._sign()
+
+    def _write_index(self) -> None:
+        """`client/index.json`: every worker folder with its parts, host and clock (a
+        Locust worker's from its `worker.json`; this process's own otherwise)."""
+        client = self.run_dir / "client"
+        workers = []
+        for folder in sorted(p for p in client.glob("*") if p.is_dir()):
+            parts = sorted(p.name for p in folder.glob("part-*.parquet"))
+            info = folder / "worker.json"
+            if info.exists():
+                entry = json.loads(info.read_text())
+            else:
+                entry = {"host": socket.gethostname(), "pid": os.getpid(), **clock_provenance(),
+                         "target_rtt": self.rtt.record()}  # fmt: skip
+            if folder.name == self.worker:
+                entry["sink"] = dataclasses.asdict(self.sink.stats)
+            status = "reported"
+            problem = sink_status(entry.get("sink"))
+            if problem is not None:  # rows not in the parts: the run says so (exit 3)
+                status, entry["sink_problem"] = "incomplete", problem
+            workers.append({**entry, "worker": folder.name, "status": status, "parts": parts})
+        incomplete = any(w["status"] != "reported" for w in workers)
+        index = {
+            "schema": "calculet-client-index/v1",
+            "run_id": self.manifest.run_id,
+            "status": "incomplete" if incomplete else "complete",
+            "source": "calculet-load accept",
+            "target": self.url,
+            "workers": workers,
+        }
+        (self.run_dir / "client" / "index.json").write_text(json.dumps(index, indent=1))
+
+    def _collect_traces(self) -> None:
+        self.log.write("traces", "start")
+        gevent.sleep(1.0)  # the target flushes its trace files periodically
+        out = self.run_dir / "server"
+        out.mkdir(exist_ok=True)
+        got: dict[str, Any] = {}
+        for kind in ("server_events", "steps", "device"):
+            try:
+                data = _get_bytes(f"{self.url}/traces/{kind}?offset=0")
+            except OSError as exc:
+                got[kind] = f"not available: {exc}"
+                continue
+            (out / f"{kind}.jsonl").write_bytes(data[: data.rfind(b"\n") + 1])
+            got[kind] = len(data)
+        self.log.write("traces", "end", files=got)
+
+    def _analyze(self) -> int:
+        door = self.o.analysis
+        if door is None:
+            self.notes.append("analysis: not given to this run (no analysis door)")
+            return self.code
+        run = door.analyze_run
+        return int(run(str(self.run_dir), baseline=self.o.baseline_run, rules=self.o.rules))
+
+    def _report(self) -> None:
+        self.log.write("report", "start")
+        if self.o.analysis is None:
+            self.log.write("report", "skipped", reason="no analysis door given to this run")
+            return
+        path = self.o.analysis.write_report(str(self.run_dir), baseline=self.o.baseline_run)
+        self.log.write("report", "end", path=path)
+        self.say(f"report: {path}")
+
+    def _sign(self) -> None:
+        """The last write to the run folder: the bundle lists every file as it is now."""
+        if self.o.analysis is None:
+            self.notes.append("sign: no analysis door given to this run: not signed")
+            return
+        try:
+            result = self.o.analysis.sign_run(str(self.run_dir))
+        except Exception as exc:  # a bad key (SigningKeyError, exit 2): one line, unsigned
+            if getattr(exc, "exit_code", None) is None:
+                raise
+            self.notes.append(f"sign: {exc}")
+            self.code = EXIT_INVALID
+            return
+        self.say(
+            f"signed bundle: {self.run_dir / 'bundle.intoto.json'} "
+            f"({'signed' if getattr(result, 'signed', False) else 'UNSIGNED: no key'})"
+        )
+
+    # --------------------------------------------------------------- prompts
+    def _prompt(self, tokens: int, sample: int) -> Prompt:
+        key = (tokens, sample)
+        if key not in self.prompts:
+            try:
+                self.prompts[key] = self.factory.prompt(tokens, sample)
+            except WorkloadError as exc:
+                raise RunStop(EXIT_INVALID, f"prompt: {exc}") from None
+            except OSError as exc:
+                raise RunStop(EXIT_INFRA, f"prompt: /tokenize unreachable: {exc}") from None
+        return self.prompts[key]
+
+
+def _release_batch(matrix: Matrix, manifest: RunManifest, state: Any) -> dict[str, Any] | None:
+    """Spec §7 at release: a batch matrix (`compiled_batch: B`) needs the vendor's
+    statement of how lanes that are not filled are handled (manifest `batch`) for the same
+    B, served by the target when its /admin/state says (exit 2 otherwise). Returns what
+    the release `end` event records (None: neither the matrix nor the manifest has one)."""
+    want, stated = matrix.compiled_batch, manifest.batch
+    if want is not None and stated is None:
+        raise RunStop(
+            EXIT_INVALID,
+            f"release: manifest batch.partial_lanes missing: matrix {matrix.name} measures "
+            f"compiled batch B{want}, and spec §7 requires the vendor to state how lanes "
+            "that are not filled are handled (masked/padded) in the manifest's batch section",
+        )
+    if stated is None:
+        return None
+    if want is not None and stated.compiled_batch != want:
+        raise RunStop(
+            EXIT_INVALID,
+            f"release: manifest batch.compiled_batch {stated.compiled_batch} != matrix "
+            f"{matrix.name} compiled_batch {want}",
+        )
+    block = state.get("batch") if isinstance(state, dict) else None
+    served = block.get("compiled_batch") if isinstance(block, dict) else None
+    if served is not None and served != stated.compiled_batch:
+        raise RunStop(
+            EXIT_INVALID,
+            f"release: the target serves compiled batch {served} (/admin/state batch."
+            f"compiled_batch) but the manifest says batch.compiled_batch "
+            f"{stated.compiled_batch}",
+        )
+    return {
+        **stated.model_dump(),
+        "matrix_compiled_batch": want,
+        "served_compiled_batch": served,
+        "served_partial_lanes": block.get("partial_lanes") if isinstance(block, dict) else None,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _chip_gauges(text: str) -> dict[str, list[float]]:
+    """The §10.3 chip gauges of Prometheus text, each a list over the chips."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keys = ("temperature_c", "power_w", "frequency_mhz", "throttled")
+    values: dict[str, list[float]] = {k: [] for k in keys}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name.removeprefix("calculet_chip_")
+            if key in values:
+                values[key].append(float(sample.value))
+    return values
+
+
+def _device_sample(text: str) -> tuple[float, float, float] | None:
+    """(hottest chip C, total power W, lowest frequency MHz) from Prometheus text."""
+    values = _chip_gauges(text)
+    if not (values["temperature_c"] and values["power_w"] and values["frequency_mhz"]):
+        return None
+    return max(values["temperature_c"]), sum(values["power_w"]), min(values["frequency_mhz"])
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as exc:
+        raise RunStop(EXIT_INVALID, f"release: calbin {path}: {exc.strerror}") from None
+    return h.hexdigest()
+
+
+def _read_url(req: urllib.request.Request | str) -> bytes:
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return bytes(resp.read())
+
+
+def _off_loop(fn: Any) -> Any:
+    """Run a blocking call in gevent's thread pool: the loop (and the self-watch, which
+    would otherwise see a stalled client) keeps running meanwhile."""
+    return gevent.get_hub().threadpool.apply(fn)
+
+
+def _get_bytes(url: str) -> bytes:
+    return bytes(_off_loop(lambda: _read_url(url)))
+
+
+# ------------------------------------------------------------------ CLI

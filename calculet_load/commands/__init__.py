@@ -1,0 +1,1 @@
+"""Thin CLI subcommands (probe, export, check-manifest, schema)."""

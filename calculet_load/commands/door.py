@@ -1,0 +1,22 @@
+"""The one door into `analysis` for the drivers: `analysis_door()` builds the
+`AnalysisDoor` they are given (imported on use, so the CLI's start-up stays light)."""
+
+from __future__ import annotations
+
+from calculet_load.doors import AnalysisDoor
+
+__all__ = ["analysis_door"]
+
+
+def analysis_door() -> AnalysisDoor:
+    from analysis.cli import analyze_run
+    from analysis.judge.resources import leak_segments
+    from analysis.report import write_report
+    from analysis.sign import sign_run
+
+    return AnalysisDoor(
+        analyze_run=analyze_run,
+        write_report=write_report,
+        sign_run=sign_run,
+        leak_segments=leak_segments,
+    )

@@ -1,0 +1,172 @@
+"""`calculet-load probe`: one request against a target, its timeline, and its record.
+
+Prints t0..t6 (ms after t0, and the step from the previous stamp), the §2.2 durations,
+the client's and the server's token counts, and the server's own timings; writes the
+record to a run folder (Parquet part and a §3 JSON line). Exit 0 when the request
+succeeded, 1 when the server answered with an error, 2 for bad arguments or manifest,
+3 when the target cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.prompts import PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.sink import PartSink, SinkStats, sink_status
+from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.schema.records import record_to_dict
+
+_STAMPS = (
+    ("t0", "request_start", "request start"),
+    ("t1", "headers_sent", "request fully written"),
+    ("t2", "response_headers", "response headers"),
+    ("t3", "first_event", "first stream event"),
+    ("t4", "first_token", "first generated token"),
+    ("t5", "last_token", "last generated token"),
+    ("t6", "response_end", "response end"),
+)
+_UNREACHABLE = ("connect_refused", "connect_timeout")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="target base URL (default: the manifest's target.url)")
+    p.add_argument(
+        "--protocol",
+        choices=("llama", "openai-chat", "openai-completions"),
+        help="target protocol (default: the manifest's, else llama)",
+    )
+    p.add_argument("--manifest", help="run manifest (YAML); supplies run id and provenance")
+    p.add_argument("--model", help="model name to send (OpenAI protocols)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="exact prompt length")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens to request")
+    p.add_argument("--sample", type=int, default=0, help="corpus sample index")
+    p.add_argument("--no-stream", action="store_true", help="ask for a whole response")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--timeout", type=float, help="total timeout in s (default: manifest, 900)")
+    p.add_argument("--run-dir", help="where to write the record (default: runs/probe-<time>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = None
+    if args.manifest:
+        try:
+            manifest = load_manifest(args.manifest)
+        except ManifestError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    target = manifest.target if manifest is not None else None
+    url = args.url or (target.url if target else None)
+    if not url:
+        print("probe: --url is required (or a manifest with target.url)", file=sys.stderr)
+        return 2
+    protocol = args.protocol or (target.protocol if target else "llama")
+    model = args.model or (target.model if target else None)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    run_id = manifest.run_id if manifest is not None else f"probe-{stamp}"
+    run_dir = args.run_dir or str(Path("runs") / run_id)
+    ctx = (
+        RunContext.from_manifest(manifest, "probe")
+        if manifest is not None
+        else RunContext(run_id, "probe")
+    )
+    timeout = args.timeout or (manifest.timeout_s if manifest is not None else 900.0)
+    timeouts = Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout)
+    try:
+        factory = PromptFactory(
+            http_tokenizer(url), mode="chat" if protocol == "openai-chat" else "ids"
+        )
+        prompt = factory.prompt(args.prompt_tokens, args.sample)
+    except WorkloadError as exc:
+        print(f"probe: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"probe: cannot reach {url} for /tokenize: {exc}", file=sys.stderr)
+        return 3
+    sink = PartSink(run_dir, "probe")
+    session = Session(ctx, url, protocol, model=model, timeouts=timeouts, sink=sink)
+    spec = RequestSpec(
+        prompt=prompt,
+        max_tokens=args.max_tokens,
+        stream=not args.no_stream,
+        temperature=args.temperature,
+        seed=args.seed,
+        cell="probe",
+        concurrency=1,
+        arrival="single",
+    )
+    record, out = run_in_greenlet(lambda: session.send(spec))
+    session.close()
+    stats = sink.close()
+    jsonl = Path(run_dir) / "client" / "probe" / "requests.jsonl"
+    try:
+        with jsonl.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record_to_dict(record, strict=True)) + "\n")
+        jsonl_written: str | None = None
+    except (OSError, ValueError) as exc:
+        jsonl_written = f"{type(exc).__name__}: {exc}"
+
+    print(f"probe {protocol} {url}  request {record.request_id}")
+    print(f"  prompt {prompt.tokens} tokens ({prompt.sample_id}), max_tokens {args.max_tokens}")
+    t0 = record.client_ns.request_start
+    prev = t0
+    for label, field, meaning in _STAMPS:
+        value = getattr(record.client_ns, field)
+        if value is None:
+            print(f"  {label} {'-':>10}            {meaning}")
+            continue
+        step = (value - prev) / 1e6 if prev is not None else 0.0
+        print(f"  {label} {(value - t0) / 1e6:10.3f} ms (+{step:8.3f})  {meaning}")
+        prev = value
+    d = record.durations_ms
+    for name in ("ttfh", "ttfe", "ttft", "tpot", "e2e"):
+        value = getattr(d, name)
+        print(f"  {name.upper():5} {'null' if value is None else f'{value:.3f} ms'}")
+    e = record.ext
+    print(
+        f"  tokens: client {e.client_output_tokens} in {e.token_events} events "
+        f"({e.events} events in all), server {e.server_output_tokens}, "
+        f"counted from {e.token_count_source}" + ("  MISMATCH" if e.token_count_mismatch else "")
+    )
+    if e.count_anomaly:
+        print(f"  count anomaly: {e.count_anomaly}")
+    if out.timings:
+        shown = ", ".join(f"{k}={v}" for k, v in out.timings.items())
+        print(f"  server timings: {shown}")
+    print(f"  result: http {record.result.http_status}, finish {record.result.finish_reason}")
+    if out.error_class:
+        print(f"  error: {out.error_class}: {out.error_detail}")
+    if e.invalid_value is not None:
+        print(f"  offending value: {e.invalid_value}")
+    written = _written(stats, run_dir, jsonl, jsonl_written)
+    if out.error_class in _UNREACHABLE:
+        return 3
+    if not written:
+        return 3  # the record is not (wholly) where the analysis reads it
+    return 0 if out.ok else 1
+
+
+def _written(stats: SinkStats, run_dir: str, jsonl: Path, jsonl_error: str | None) -> bool:
+    """Say exactly where the probe's record went; True when it is in a Parquet part."""
+    in_part = stats.records == 1
+    if in_part:
+        print(f"  record written: Parquet part under {run_dir}/client/probe/")
+    else:
+        problem = sink_status(dataclasses.asdict(stats)) or "; ".join(stats.errors)
+        print(f"  record NOT in a Parquet part: {problem or 'unknown'}", file=sys.stderr)
+    for name in stats.quarantine_files:
+        print(f"  quarantined rows: {run_dir}/client/probe/{name}", file=sys.stderr)
+    if stats.token_events:
+        print(f"  token events written: {stats.token_events}")
+    if jsonl_error is None:
+        print(f"  §3 line written: {jsonl}")
+    else:
+        print(f"  §3 line NOT written to {jsonl}: {jsonl_error}", file=sys.stderr)
+    return in_part and jsonl_error is None

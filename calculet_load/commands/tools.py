@@ -1,0 +1,91 @@
+"""Small file commands: `check-manifest`, `schema`, `export`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from calculet_load.schema.manifest import ManifestError, load_manifest, manifest_json_schema
+
+
+def add_check_manifest(p: argparse.ArgumentParser) -> None:
+    p.add_argument("manifest", help="run manifest YAML")
+
+
+def check_manifest(args: argparse.Namespace) -> int:
+    """Exit 0 and print the run id when valid; exit 2 with one line naming the field."""
+    try:
+        m = load_manifest(args.manifest)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"{args.manifest}: valid ({m.run_id})")
+    return 0
+
+
+def _schemas() -> dict[str, Any]:
+    from calculet_load.schema.records import request_json_schema
+    from calculet_load.schema.scrape import MetricsScrapeRow, ProcessRow
+    from calculet_load.schema.traces import AuditRow, DeviceRow, ServerEventRow, StepRow
+    from calculet_load.schema.traces import json_schema as trace_schema
+    from calculet_load.workload.matrix import GoldenSet, matrix_json_schema
+    from calculet_load.workload.mixes import mix_json_schema
+
+    return {
+        "manifest": manifest_json_schema,
+        "mix": mix_json_schema,
+        "matrix": matrix_json_schema,
+        "golden": lambda: GoldenSet.model_json_schema(by_alias=True),
+        "request": request_json_schema,
+        "server_events": lambda: trace_schema(ServerEventRow),
+        "steps": lambda: trace_schema(StepRow),
+        "device": lambda: trace_schema(DeviceRow),
+        "audit": lambda: trace_schema(AuditRow),
+        "server_metrics": lambda: trace_schema(MetricsScrapeRow),
+        "server_process": lambda: trace_schema(ProcessRow),
+        "faults": _fault_scenario_schema,
+        "soak": _soak_stage_schema,
+    }
+
+
+def _soak_stage_schema() -> dict[str, Any]:
+    from calculet_load.soak.run import stage_json_schema
+
+    return stage_json_schema()
+
+
+def _fault_scenario_schema() -> dict[str, Any]:
+    from calculet_load.faults.spec import scenario_json_schema
+
+    return scenario_json_schema()
+
+
+def add_schema(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(_schemas()), help="which JSON Schema to print")
+
+
+def schema(args: argparse.Namespace) -> int:
+    print(json.dumps(_schemas()[args.name](), indent=2))
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run folder (local path or URI)")
+    p.add_argument("--out", help="output file (default: stdout)")
+    p.add_argument(
+        "--full", action="store_true", help="include the `ext` group (default: exactly §3)"
+    )
+
+
+def export(args: argparse.Namespace) -> int:
+    from calculet_load.schema.runfolder import export_jsonl
+
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            n = export_jsonl(args.run_dir, f, strict=not args.full)
+        print(f"{n} records written to {args.out}", file=sys.stderr)
+    else:
+        export_jsonl(args.run_dir, sys.stdout, strict=not args.full)
+    return 0

@@ -1,0 +1,28 @@
+"""What a driver (accept, soak) may ask of the analysis, passed in from above.
+
+The drivers never import `analysis`: `calculet_load.commands` builds an `AnalysisDoor`
+from it and hands it down (docs/architecture.md), so the import arrows point one way
+and a driver can run, and be tested, without the analysis installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AnalysisDoor"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AnalysisDoor:
+    """`analyze_run(run_dir, *, baseline=None, rules=None, quiet=False) -> exit code`;
+    `write_report(run_dir, *, baseline=None) -> path`; `sign_run(run_dir) -> result`;
+    `leak_segments(run_dir, rules_path, attempts) -> [segment]` (the leak rule on each
+    attempt's stretch of server/resources.jsonl)."""
+
+    analyze_run: Callable[..., int]
+    write_report: Callable[..., str]
+    sign_run: Callable[..., Any]
+    leak_segments: Callable[[Path, str | None, list[dict[str, Any]]], list[dict[str, Any]]]

@@ -1,0 +1,528 @@
+# size: a checker per expectation kind of the scenario format, beside the facts they read
+"""Judging one fault scenario from what was observed: the client's view of each request,
+the server events of the scenario's window, `/admin/state` before and after, the admin
+answers and facts computed from the traces. Pure functions: no I/O.
+
+Every expectation becomes a `Check` with what was expected and what was observed; a
+scenario passes when every check does. Times are compared in the target's seconds: an
+observed real duration d is judged as d <= bound * time_scale + slack.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from calculet_load.faults.maintenance import maintenance_checks, maintenance_facts
+from calculet_load.faults.observe import TERMINAL_EVENTS, Check, Observation, ReqObs
+from calculet_load.faults.spec import (
+    Bound,
+    Count,
+    EventCheck,
+    EventRef,
+    FaultScenario,
+    Match,
+    RequestCheck,
+)
+
+
+def get_path(tree: Any, path: str) -> Any:
+    node = tree
+    for part in path.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def _as_bound(count: Count) -> Bound:
+    return Bound(min=count, max=count) if isinstance(count, int) else count
+
+
+def _describe(count: Count) -> str:
+    return str(count) if isinstance(count, int) else count.describe()
+
+
+def _one_of(value: Any, allowed: Any) -> bool:
+    if isinstance(allowed, list):
+        return value in allowed
+    return bool(value == allowed)
+
+
+def detail_matches(row: dict[str, Any], detail: dict[str, Any] | None) -> bool:
+    if not detail:
+        return True
+    got = row.get("detail") or {}
+    return all(k in got and _one_of(got[k], v) for k, v in detail.items())
+
+
+def _groups(spec: str | list[str] | None) -> set[str] | None:
+    if spec is None or spec == "*":
+        return None
+    return {spec} if isinstance(spec, str) else set(spec)
+
+
+def _in_groups(req: ReqObs, groups: set[str] | None) -> bool:
+    return groups is None or req.group in groups
+
+
+# --------------------------------------------------------------------------- requests
+def admitted_ids(events: Iterable[dict[str, Any]]) -> set[str]:
+    return {e["request_id"] for e in events if e["event"] == "admitted" and e.get("request_id")}
+
+
+def _match_failures(req: ReqObs, m: Match, obs: Observation) -> list[str]:
+    """Why a request does not pass the filters (empty: it passes)."""
+    why = []
+    if m.status is not None and not _one_of(req.status, m.status):
+        why.append(f"status {req.status}")
+    if m.error_type is not None and not _one_of(req.error_type, m.error_type):
+        why.append(f"error {req.error_type}")
+    if m.latency_s is not None:
+        b = m.latency_s
+        lo = None if b.min is None else b.min * obs.scale - obs.slack_s
+        hi = None if b.max is None else b.max * obs.scale + obs.slack_s
+        if (lo is not None and req.elapsed_s < lo) or (hi is not None and req.elapsed_s > hi):
+            why.append(f"latency {req.elapsed_s:.3f} s real ({req.elapsed_s / obs.scale:.3g} s)")
+    if m.matches_reference is not None:
+        same = req.reference is not None and req.token_hash == req.reference
+        if same != m.matches_reference:
+            why.append("output differs from the reference" if m.matches_reference else "same")
+    if m.complete is not None:
+        full = req.ok and req.tokens == req.max_tokens
+        if full != m.complete:
+            why.append(f"{req.tokens}/{req.max_tokens} tokens")
+    return why
+
+
+def _expected_text(m: Match, obs: Observation) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in ("status", "error_type", "matches_reference", "complete"):
+        value = getattr(m, field)
+        if value is not None:
+            out[field] = value
+    if m.latency_s is not None:
+        out["latency_s"] = (
+            f"{m.latency_s.describe()} target s (x{obs.scale:g} + {obs.slack_s:g} s slack real)"
+        )
+    return out
+
+
+def check_requests(rc: RequestCheck, obs: Observation) -> Check:
+    groups = _groups(rc.group)
+    admitted = admitted_ids(obs.events)
+    sel = [r for r in obs.requests if _in_groups(r, groups)]
+    if rc.admitted is not None:
+        sel = [r for r in sel if (r.rid in admitted) == rc.admitted]
+    if rc.cancelled is not None:
+        sel = [r for r in sel if r.cancelled == rc.cancelled]
+    if rc.where is not None:
+        where = rc.where
+        sel = [r for r in sel if not _match_failures(r, where, obs)]
+    name = f"requests[{rc.group if isinstance(rc.group, str) else ','.join(rc.group)}]"
+    if rc.admitted is not None:
+        name += " admitted" if rc.admitted else " not admitted"
+    if rc.where is not None:
+        name += f" where {_expected_text(rc.where, obs)}"
+    expected = _expected_text(rc, obs)
+    if rc.note:
+        expected["note"] = rc.note
+    if rc.count is not None:
+        passing = [r for r in sel if not _match_failures(r, rc, obs)]
+        ok = _as_bound(rc.count).holds(len(passing))
+        expected["count"] = _describe(rc.count)
+        observed: Any = {"count": len(passing), "of_selected": len(sel)}
+        if not ok:
+            observed["selected"] = [r.brief() for r in sel[:12]]
+        return Check(name, ok, expected, observed)
+    bad = [(r, _match_failures(r, rc, obs)) for r in sel]
+    bad = [(r, why) for r, why in bad if why]
+    if not sel:
+        # with `where`, the check is about every request it selects: none is vacuous
+        if rc.where is not None:
+            return Check(name, True, expected, "no request selected")
+        return Check(name, False, expected, "no such request")
+    observed = {"requests": len(sel), "failing": len(bad)}
+    if bad:
+        observed["examples"] = [{**r.brief(), "why": "; ".join(why)} for r, why in bad[:8]]
+    return Check(name, not bad, expected, observed)
+
+
+# ----------------------------------------------------------------------------- events
+def _first(rows: Sequence[dict[str, Any]], ref: EventRef, after_ns: int | None) -> int | None:
+    for r in rows:
+        if (
+            r["event"] == ref.event
+            and detail_matches(r, ref.detail)
+            and (after_ns is None or r["mono_ns"] > after_ns)
+        ):
+            return int(r["mono_ns"])
+    return None
+
+
+def _request_ids(obs: Observation, groups: str | list[str] | None) -> set[str] | None:
+    if groups is None:
+        return None
+    g = _groups(groups)
+    return {r.rid for r in obs.requests if r.rid is not None and _in_groups(r, g)}
+
+
+def select_events(ec: EventCheck, obs: Observation) -> tuple[list[dict[str, Any]], str | None]:
+    """The matching rows, or a reason the window could not be placed."""
+    rows = obs.events
+    lo = hi = None
+    if ec.after is not None:
+        lo = _first(rows, ec.after, None)
+        if lo is None:
+            return [], f"no {ec.after.event} event to start the window"
+    if ec.before is not None:
+        hi = _first(rows, ec.before, lo)
+    rids = _request_ids(obs, ec.group)
+    jobs = None
+    if ec.same_job_as is not None:
+        ref = ec.same_job_as
+        jobs = {
+            r.get("job_id")
+            for r in rows
+            if r["event"] == ref.event and detail_matches(r, ref.detail) and r.get("job_id")
+        }
+    out = []
+    for r in rows:
+        if r["event"] != ec.event or not detail_matches(r, ec.detail):
+            continue
+        if lo is not None and r["mono_ns"] <= lo:
+            continue
+        if hi is not None and r["mono_ns"] >= hi:
+            continue
+        if rids is not None and r.get("request_id") not in rids:
+            continue
+        if jobs is not None and r.get("job_id") not in jobs:
+            continue
+        out.append(r)
+    return out, None
+
+
+def check_events(ec: EventCheck, obs: Observation) -> Check:
+    name = f"events[{ec.event}]"
+    parts = []
+    if ec.detail:
+        parts.append(f"detail {ec.detail}")
+    if ec.group is not None:
+        parts.append(f"of {ec.group}")
+    if ec.after is not None:
+        parts.append(f"after {ec.after.event}")
+    if ec.before is not None:
+        parts.append(f"before {ec.before.event}")
+    if ec.same_job_as is not None:
+        parts.append(f"same job as {ec.same_job_as.event}")
+    if parts:
+        name += " " + ", ".join(parts)
+    rows, problem = select_events(ec, obs)
+    expected: dict[str, Any] = {"count": _describe(ec.count)}
+    if ec.note:
+        expected["note"] = ec.note
+    if problem is not None and not _as_bound(ec.count).holds(0):
+        return Check(name, False, expected, problem)
+    ok = _as_bound(ec.count).holds(len(rows))
+    observed: dict[str, Any] = {"count": len(rows)}
+    if not ok and rows:
+        observed["rows"] = [
+            {k: r.get(k) for k in ("event", "request_id", "job_id", "detail")} for r in rows[:6]
+        ]
+    return Check(name, ok, expected, observed)
+
+
+# ------------------------------------------------------------------------------ facts
+def _rows(obs: Observation, name: str) -> list[dict[str, Any]]:
+    return [r for r in obs.events if r["event"] == name]
+
+
+def shared_leases(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Admissions that got a lease another live request held (cross-talk risk)."""
+    holders: dict[Any, list[str]] = {}  # lease -> live request ids holding it
+    lease_of: dict[str, Any] = {}
+    shared = []
+    for r in events:
+        rid = r.get("request_id")
+        if r["event"] == "admitted" and rid:
+            lease = (r.get("detail") or {}).get("lease")
+            if lease is None:
+                continue
+            live = holders.setdefault(lease, [])
+            if live:
+                shared.append({"request_id": rid, "lease": lease, "holder": live[0]})
+            live.append(rid)
+            lease_of[rid] = lease
+        elif r["event"] in TERMINAL_EVENTS and rid in lease_of:
+            detail = r.get("detail") or {}
+            if r["event"] == "cancelled" and detail.get("drained") == "pending":
+                continue  # still on the device: released when the Wait drains
+            holders[lease_of.pop(rid)].remove(rid)
+    return shared
+
+
+def released_in_flight(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Requests whose buffers were released (a `cancelled` event that frees them) while a
+    job of theirs was submitted and its Wait had not returned: use-after-free risk."""
+    out = []
+    submitted: dict[str, set[Any]] = {}
+    for r in events:
+        rid = r.get("request_id")
+        if not rid:
+            continue
+        job = r.get("job_id")
+        if r["event"] == "submit_ok" and job is not None:
+            submitted.setdefault(rid, set()).add(job)
+        elif r["event"] == "wait_done" and job is not None:
+            submitted.get(rid, set()).discard(job)
+        elif r["event"] == "cancelled":
+            detail = r.get("detail") or {}
+            if detail.get("drained") == "pending":
+                continue
+            if submitted.get(rid):
+                out.append(
+                    {"request_id": rid, "jobs_in_flight": sorted(submitted[rid]), "detail": detail}
+                )
+    return out
+
+
+def _reset_facts(obs: Observation) -> dict[str, Any]:
+    resets = [r for r in _rows(obs, "reset")]
+    backoffs = [r for r in _rows(obs, "backoff") if "level_ms" in (r.get("detail") or {})]
+    levels = [float(r["detail"]["level_ms"]) for r in backoffs]
+    gaps_s = [
+        (b["mono_ns"] - a["mono_ns"]) / 1e9 / obs.scale for a, b in itertools.pairwise(resets)
+    ]
+    doubling = None
+    if len(levels) >= 2:
+        doubling = all(b == 2 * a or b == a for a, b in itertools.pairwise(levels)) and any(
+            b == 2 * a for a, b in itertools.pairwise(levels)
+        )
+    respect = True
+    for b in backoffs:
+        before = [r for r in resets if r["mono_ns"] < b["mono_ns"]]
+        after = [r for r in resets if r["mono_ns"] > b["mono_ns"]]
+        if before and after:
+            gap_ms = (after[0]["mono_ns"] - before[-1]["mono_ns"]) / 1e6 / obs.scale
+            if gap_ms < float(b["detail"]["backoff_ms"]) * 0.95:
+                respect = False
+    return {
+        "resets": len(resets),
+        "reset_backoffs": len(backoffs),
+        "backoff_levels_ms": levels,
+        "backoff_levels_doubling": doubling,
+        "resets_respect_backoff": respect if backoffs else None,
+        "min_reset_gap_s": round(min(gaps_s), 4) if gaps_s else None,
+    }
+
+
+def _generation_after_drain(obs: Observation) -> bool | None:
+    """Every load's generation switch came after the requests running at the load ended."""
+    switches = [
+        r for r in _rows(obs, "generation_change") if (r.get("detail") or {}).get("why") == "load"
+    ]
+    if not switches:
+        return None
+    ends = {}
+    for r in obs.events:
+        if r["event"] in ("finished", "failed", "cancelled") and r.get("request_id"):
+            ends[r["request_id"]] = r["mono_ns"]
+    for sw in switches:
+        for r in _rows(obs, "admitted"):
+            rid = r.get("request_id")
+            end = ends.get(rid) if rid else None
+            if r["mono_ns"] < sw["mono_ns"] and (end is None or end > sw["mono_ns"]):
+                return False
+    return True
+
+
+def _recovery_s(obs: Observation) -> float | None:
+    """From the first state change away from ready to the last return to ready."""
+    changes = _rows(obs, "state_change")
+    away = [r for r in changes if (r.get("detail") or {}).get("from") == "ready"]
+    back = [r for r in changes if (r.get("detail") or {}).get("to") == "ready"]
+    if not away or not back or back[-1]["mono_ns"] < away[0]["mono_ns"]:
+        return None
+    return round(float(back[-1]["mono_ns"] - away[0]["mono_ns"]) / 1e9 / obs.scale, 4)
+
+
+def _admitted_while_recovering(obs: Observation) -> int:
+    n = 0
+    state = "ready"
+    for r in obs.events:
+        if r["event"] == "state_change":
+            state = (r.get("detail") or {}).get("to", state)
+        elif r["event"] == "admitted" and state in ("recovering", "resetting", "failed"):
+            n += 1
+    return n
+
+
+def _cancel_to_event_s(obs: Observation) -> float | None:
+    """Longest time from a client's cancel to the server's `cancelled` event for it
+    (wall clocks of both hosts: meaningful when they are synchronised or the same)."""
+    first_cancel: dict[str, int] = {}
+    for r in _rows(obs, "cancelled"):
+        rid = r.get("request_id")
+        if rid and rid not in first_cancel:
+            first_cancel[rid] = int(r["wall_ns"])
+    worst = None
+    for req in obs.requests:
+        if req.cancelled and req.cancel_wall_ns is not None and req.rid in first_cancel:
+            d = max(0.0, (first_cancel[req.rid] - req.cancel_wall_ns) / 1e9) / obs.scale
+            worst = d if worst is None else max(worst, d)
+    return None if worst is None else round(float(worst), 4)
+
+
+def compute_facts(obs: Observation) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "shared_leases": len(shared_leases(obs.events)),
+        "released_in_flight": len(released_in_flight(obs.events)),
+        "generation_switch_after_drain": _generation_after_drain(obs),
+        "recovery_s": _recovery_s(obs),
+        "admitted_while_recovering": _admitted_while_recovering(obs),
+        "cancel_to_event_s": _cancel_to_event_s(obs),
+        **_reset_facts(obs),
+    }
+    for name, share in obs.cpu_share.items():
+        facts[f"cpu_share.{name}"] = None if share is None else round(share, 4)
+    if obs.maintenance:
+        facts.update(maintenance_facts(obs))
+    return facts
+
+
+def check_fact(name: str, expected: Any, facts: dict[str, Any], obs: Observation) -> Check:
+    """A fact against a value or a {min, max}; a duration (a name ending in `_s`, target
+    seconds) gets the real-time slack too, converted to target seconds."""
+    value = facts.get(name)
+    if isinstance(expected, dict):
+        bound = Bound.model_validate(expected)
+        described = bound.describe()
+        if name.endswith("_s"):
+            pad = obs.slack_s / obs.scale
+            bound = Bound(
+                min=None if bound.min is None else bound.min - pad,
+                max=None if bound.max is None else bound.max + pad,
+            )
+            described += f" target s (+ {obs.slack_s:g} s slack real)"
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and bound.holds(value)
+        return Check(f"fact {name}", ok, described, value)
+    return Check(f"fact {name}", value == expected, expected, value)
+
+
+# ----------------------------------------------------------------------------- judge
+def _state_checks(sc: FaultScenario, obs: Observation) -> list[Check]:
+    out = []
+    for s in sc.expect.state:
+        after = get_path(obs.state_after, s.path)
+        if s.equals is not None:
+            out.append(Check(f"state {s.path}", after == s.equals, s.equals, after))
+        if s.delta is not None:
+            before = get_path(obs.state_before, s.path)
+            if before is None and isinstance(after, int | float):
+                before = 0  # a counter not yet created counts as 0
+            if after is None and isinstance(before, int | float):
+                after = 0
+            if not isinstance(before, int | float) or not isinstance(after, int | float):
+                out.append(
+                    Check(f"state {s.path} change", False, _describe(s.delta), (before, after))
+                )
+                continue
+            delta = after - before
+            ok = _as_bound(s.delta).holds(delta)
+            observed = {"before": before, "after": after, "change": delta}
+            out.append(Check(f"state {s.path} change", ok, _describe(s.delta), observed))
+    return out
+
+
+def _transitions(expected: list[str], obs: Observation) -> Check:
+    seen = [(r.get("detail") or {}).get("to") for r in _rows(obs, "state_change")]
+    it = iter(seen)
+    ok = all(any(s == want for s in it) for want in expected)
+    return Check("state transitions", ok, " -> ".join(expected), " -> ".join(map(str, seen)))
+
+
+def _admin_check(label: str, status: Any, body: dict[str, Any] | None, obs: Observation) -> Check:
+    got = obs.admin.get(label)
+    if got is None:
+        return Check(f"admin {label}", False, {"status": status}, "not called")
+    code, answer = got
+    ok = _one_of(code, status)
+    if ok and body:
+        ok = isinstance(answer, dict) and all(
+            k in answer and _one_of(answer[k], v) for k, v in body.items()
+        )
+    expected: dict[str, Any] = {"status": status}
+    if body:
+        expected["body"] = body
+    return Check(f"admin {label}", ok, expected, {"status": code, "body": answer})
+
+
+def _invariants(sc: FaultScenario, obs: Observation, facts: dict[str, Any]) -> list[Check]:
+    inv = sc.invariants
+    out = []
+    if inv.outputs_match_reference:
+        wrong = [
+            r
+            for r in obs.requests
+            if r.ok
+            and r.reference is not None
+            and r.tokens == r.max_tokens
+            and r.token_hash != r.reference
+        ]
+        out.append(
+            Check(
+                "invariant: every success carries its reference output",
+                not wrong,
+                "0 wrong outputs",
+                {"wrong": len(wrong), "examples": [r.brief() for r in wrong[:5]]},
+            )
+        )
+    if inv.no_nonfinite:
+        bad = [r for r in obs.requests if r.nonfinite]
+        out.append(
+            Check(
+                "invariant: no NaN/Inf in a response",
+                not bad,
+                "0",
+                {"count": len(bad), "examples": [r.brief() for r in bad[:5]]},
+            )
+        )
+    if inv.no_shared_leases:
+        shared = shared_leases(obs.events)
+        out.append(
+            Check(
+                "invariant: no OutputBuf lease shared by live requests",
+                not shared,
+                "0",
+                {"count": len(shared), "examples": shared[:5]},
+            )
+        )
+    if inv.recovered and not sc.stops_target:
+        state = obs.state_after.get("state")
+        out.append(Check("invariant: ready after recovery", state == "ready", "ready", state))
+        if obs.golden_after is not None:
+            passed, detail = obs.golden_after
+            out.append(Check("invariant: golden passes after recovery", passed, "pass", detail))
+    return out
+
+
+def judge(sc: FaultScenario, obs: Observation) -> tuple[list[Check], dict[str, Any]]:
+    """Every check of the scenario, and the facts computed from the observation."""
+    facts = compute_facts(obs)
+    checks = [
+        Check(f"action: {e}", False, "the scenario's actions complete", e)
+        for e in obs.action_errors
+    ]
+    checks += [check_requests(rc, obs) for rc in sc.expect.requests]
+    checks += [check_events(ec, obs) for ec in sc.expect.events]
+    checks += _state_checks(sc, obs)
+    if sc.expect.transitions:
+        checks.append(_transitions(sc.expect.transitions, obs))
+    checks += [_admin_check(a.label, a.status, a.body, obs) for a in sc.expect.admin]
+    checks += [check_fact(k, v, facts, obs) for k, v in sc.expect.facts.items()]
+    checks += _invariants(sc, obs, facts)
+    if sc.maintenance_actions():
+        checks += maintenance_checks(sc, obs)
+    return checks, facts

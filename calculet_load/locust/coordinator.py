@@ -1,0 +1,347 @@
+"""The master (or single local process) side of a Locust run: the plan, its broadcasts
+(rate changes, bursts, the target user count), merged live stats and `client/index.json`.
+The wiring is calculet_load.locust.plugin; the workers' side is calculet_load.locust.worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gevent
+import gevent.event
+import gevent.pool
+from locust.env import Environment
+from locust.runners import MasterRunner
+
+from calculet_load.locust.clocksync import ClockSync
+from calculet_load.locust.livestats import LiveStats
+from calculet_load.locust.llmstats import LLMTable
+from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options
+from calculet_load.measure.sink import sink_status
+from calculet_load.schema.fs import resolve_fs
+from calculet_load.target.scrape import ServerSampler, sampler_for_run
+
+log = logging.getLogger("calculet_load")
+
+INDEX_SCHEMA = "calculet-client-index/v1"
+HISTORY_KEEP = 3600  # Locust appends a history row per second forever: keep an hour
+
+
+# ------------------------------------------------------------------ the master side
+class Coordinator:
+    """Master (or local) side: plan, broadcasts, bursts, index, merged live stats."""
+
+    def __init__(self, env: Environment, local_worker: Callable[[], Worker | None]) -> None:
+        self.env = env
+        # a run without workers: this process's own Worker (None between runs)
+        self.local_worker = local_worker
+        self.stats = LiveStats()
+        self.llm = LLMTable()  # issue 15: the LLM tab, CSV and HTML section (merged)
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.worker_state: dict[str, dict[str, Any]] = {}
+        self.plan: Plan | None = None
+        self.started_wall_ns = 0
+        self.ended_wall_ns: int | None = None
+        self.bursts: list[dict[str, Any]] = []
+        self._loop: gevent.Greenlet[..., Any] | None = None
+        self._burster: gevent.Greenlet[..., Any] | None = None
+        self._burst_seq = 0
+        self._sampler: ServerSampler | None = None  # issue 9
+        # issue 15: each worker's wall-clock offset to this master (set up on a master)
+        self.clock_sync: ClockSync | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return isinstance(self.env.runner, MasterRunner)
+
+    def workers(self) -> list[int]:
+        runner = self.env.runner
+        if isinstance(runner, MasterRunner):
+            ids = [c.id for c in runner.clients.values() if c.state != "missing"]
+            return sorted(runner.get_worker_index(i) for i in ids)
+        return [0]
+
+    def start(self) -> Plan:
+        opts = options(self.env)
+        run_id = _run_id(opts)
+        run_dir = opts.run_dir or str(Path("runs") / run_id)
+        indexes = self.workers()
+        runner = self.env.runner
+        if self.clock_sync is not None and isinstance(runner, MasterRunner):
+            # every worker's offset fresh before the plan's wall instants go out
+            ids = [c.id for c in runner.clients.values() if c.state != "missing"]
+            self.clock_sync.ensure(ids, max_age_s=5.0)
+        delay = max(float(opts.start_delay), 0.2)
+        self.stats = LiveStats()
+        self.llm = LLMTable()
+        self.reports = {}
+        self.bursts = []
+        self.started_wall_ns = time.time_ns()
+        self.ended_wall_ns = None
+        self.plan = Plan(
+            run_id=run_id,
+            run_dir=run_dir,
+            arrival=opts.arrival,
+            rate=float(opts.rate),
+            seed=int(opts.seed),
+            origin_wall_ns=time.time_ns() + int(delay * 1e9),
+            slots={str(i): slot for slot, i in enumerate(indexes)},
+            users=int(getattr(self.env.runner, "target_user_count", 0) or 0),
+        )
+        opts.calculet_plan = self.plan.to_json()
+        self.write_index("running")
+        # issue 9: the target's /metrics and process into server/ while the run goes on
+        if self._sampler is not None:
+            self._sampler.stop()
+        self._sampler = sampler_for_run(
+            run_dir,
+            self.env.host,
+            interval_s=float(opts.scrape_interval),
+            metrics_url=opts.server_metrics_url,
+            server_pid=int(opts.server_pid),
+        )
+        if self._loop is None:
+            self._loop = gevent.spawn(self._tick_loop)
+        if opts.arrival == "burst":
+            self._burster = gevent.spawn(self._burst_loop, delay)
+        log.info(
+            "calculet run %s: %s arrivals, %d dispatcher(s), run folder %s",
+            run_id,
+            opts.arrival,
+            len(indexes),
+            run_dir,
+        )
+        return self.plan
+
+    def stop(self) -> None:
+        if self._burster is not None:
+            self._burster.kill()
+            self._burster = None
+        if self._sampler is not None:  # issue 9
+            self._sampler.stop()
+            self._sampler = None
+        self.ended_wall_ns = time.time_ns()
+
+    # --- periodic work ----------------------------------------------------------------
+    def _tick_loop(self) -> None:
+        while True:
+            gevent.sleep(1.0)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("calculet master tick failed")
+
+    def tick(self) -> None:
+        runner = self.env.runner
+        if runner is None:
+            return
+        history = runner.stats.history
+        if len(history) > HISTORY_KEEP:
+            del history[: len(history) - HISTORY_KEEP]
+        if isinstance(runner, MasterRunner):
+            now = time.time_ns()
+            for c in runner.clients.values():
+                name = f"w{runner.get_worker_index(c.id):02d}"
+                st = self.worker_state.setdefault(name, {"status": c.state})
+                if c.state == "missing" and st.get("status") != "missing":
+                    st["missing_since_wall_ns"] = now
+                    log.warning("calculet: worker %s went missing", name)
+                st["status"] = c.state
+            if self.plan is not None:
+                runner.send_message(
+                    "calculet_target",
+                    {"users": runner.target_user_count or 0, "run_id": self.plan.run_id},
+                )
+        elif (w := self.local_worker()) is not None:
+            w.target_users = runner.target_user_count or 0
+        if self.plan is not None and self.ended_wall_ns is None:
+            self.write_index("running")
+
+    # --- rate changes (web UI, load shape) ----------------------------------------------
+    def change_rate(self, rate: float, lead_s: float = 0.5) -> None:
+        plan = self.plan
+        if plan is None or plan.arrival not in OPEN_LOOP:
+            raise ValueError("the rate applies to an open-loop run that is running")
+        at_ns = max(time.time_ns() + int(lead_s * 1e9) - plan.origin_wall_ns, 0)
+        plan.rate_changes.append((at_ns, rate))
+        options(self.env).rate = rate
+        options(self.env).calculet_plan = plan.to_json()
+        msg = {"at_ns": at_ns, "rate": rate}
+        if isinstance(self.env.runner, MasterRunner):
+            self.env.runner.send_message("calculet_rate", msg)
+        elif (w := self.local_worker()) is not None:
+            w.change_rate(at_ns, rate)
+        log.info("calculet: rate %.3f/s from schedule time %.3f s", rate, at_ns / 1e9)
+
+    # --- bursts ---------------------------------------------------------------------------
+    def _burst_loop(self, delay: float) -> None:
+        opts = options(self.env)
+        gevent.sleep(delay)
+        while True:
+            self.fire_burst(int(opts.burst_size), float(opts.burst_lead))
+            if float(opts.burst_every) <= 0:
+                return
+            gevent.sleep(float(opts.burst_every))
+
+    def fire_burst(self, size: int, lead_s: float) -> dict[str, Any]:
+        plan = self.plan
+        if plan is None:
+            raise ValueError("no run is running")
+        self._burst_seq += 1
+        burst_id = f"{plan.run_id}.b{self._burst_seq:04d}"
+        indexes = sorted(plan.slots, key=int)
+        counts = {
+            i: size // len(indexes) + (1 if n < size % len(indexes) else 0)
+            for n, i in enumerate(indexes)
+        }
+        first_k: dict[str, int] = {}
+        k = self._burst_seq * 1_000_000
+        for i in indexes:
+            first_k[i] = k
+            k += counts[i]
+        fire_at = time.time_ns() + int(lead_s * 1e9)
+        msg = {"id": burst_id, "fire_at_wall_ns": fire_at, "counts": counts, "first_k": first_k}
+        self.bursts.append(
+            {"id": burst_id, "size": size, "fire_at_wall_ns": fire_at, "counts": counts}
+        )
+        if isinstance(self.env.runner, MasterRunner):
+            self.env.runner.send_message("calculet_burst", msg)
+        elif (w := self.local_worker()) is not None:
+            gevent.spawn(w.burst, burst_id, fire_at, counts["0"], first_k["0"])
+        return msg
+
+    def expected_workers(self) -> set[str]:
+        """Workers of the plan that are not known to be gone."""
+        names = {f"w{int(i):02d}" for i in self.plan.slots} if self.plan else set()
+        gone = {n for n, st in self.worker_state.items() if st.get("status") == "missing"}
+        return names - gone
+
+    # --- worker reports ---------------------------------------------------------------------
+    def on_worker_stats(self, client_id: str, data: dict[str, Any]) -> None:
+        wire = data.get("calculet")
+        if wire:
+            self.stats.merge_wire(wire, process=wire.get("worker", client_id))
+            self.llm.merge_wire(wire.get("llm") or {})
+
+    def adopt(self, worker: Worker) -> None:
+        """A local run's own figures become this side's when its worker ends."""
+        self.stats, self.llm = worker.stats, worker.llm
+
+    def on_parts(self, report: dict[str, Any]) -> None:
+        llm = report.pop("llm", None)  # a worker's last figures, not part of the index
+        if llm and self.distributed:
+            self.llm.merge_wire(llm)
+        self.reports[report["worker"]] = report
+        self.write_index("running" if self.ended_wall_ns is None else "stopping")
+
+    # --- the run's index ----------------------------------------------------------------------
+    def write_index(self, status: str) -> dict[str, Any] | None:
+        plan = self.plan
+        if plan is None:
+            return None
+        workers = []
+        names = sorted(
+            set(self.reports) | {f"w{int(i):02d}" for i in plan.slots} | set(self.worker_state)
+        )
+        incomplete = False
+        for name in names:
+            entry: dict[str, Any] = {"worker": name}
+            entry.update(self.worker_state.get(name, {}))
+            rep = self.reports.get(name)
+            if rep is not None:
+                entry.update(rep)
+                entry["status"] = "reported"
+                sink_problem = sink_status(rep.get("sink"))
+                if sink_problem is not None:  # rows not in the parts: the run says so
+                    entry["status"] = "incomplete"
+                    entry["sink_problem"] = sink_problem
+                    incomplete = True
+            elif status == "complete":
+                entry.setdefault("status", "missing")
+                entry["status"] = "missing" if entry["status"] != "reported" else "reported"
+                incomplete = True
+            clock = self._clock_of(name)
+            if clock is not None:
+                entry["master_clock_sync"] = clock
+            workers.append(entry)
+        index = {
+            "schema": INDEX_SCHEMA,
+            "run_id": plan.run_id,
+            "status": "incomplete" if incomplete else status,
+            "started_wall_ns": self.started_wall_ns,
+            "ended_wall_ns": self.ended_wall_ns,
+            "plan": json.loads(plan.to_json()),
+            "options": _options_snapshot(options(self.env)),
+            "target": self.env.host,
+            "workers": workers,
+            "bursts": [{**b, **burst_spread(b["id"], self.reports.values())} for b in self.bursts],
+        }
+        _write_json(plan.run_dir, "client/index.json", index)
+        return index
+
+    def _clock_of(self, name: str) -> dict[str, Any] | None:
+        """The master's latest offset measurement of the worker called `name`."""
+        runner = self.env.runner
+        if self.clock_sync is None or not isinstance(runner, MasterRunner):
+            return None
+        for cid in list(self.clock_sync.latest):
+            if f"w{runner.get_worker_index(cid):02d}" == name:
+                return self.clock_sync.for_client(cid)
+        return None
+
+
+def burst_spread(burst_id: str, reports: Any) -> dict[str, Any]:
+    """A burst's spread across workers: its last actual send minus its first, both on the
+    master's wall clock (each worker converted its sends with its measured offset)."""
+    firsts: list[int] = []
+    lasts: list[int] = []
+    for rep in reports:
+        for b in rep.get("bursts") or []:
+            if b.get("id") == burst_id and b.get("first_send_master_ns") is not None:
+                firsts.append(int(b["first_send_master_ns"]))
+                lasts.append(int(b["last_send_master_ns"]))
+    if not firsts:
+        return {"spread_ms": None, "workers_sent": 0}
+    return {
+        "spread_ms": (max(lasts) - min(firsts)) / 1e6,
+        "workers_sent": len(firsts),
+        "first_send_master_ns": min(firsts),
+    }
+
+
+def _options_snapshot(opts: Any) -> dict[str, Any]:
+    keys = (
+        "protocol",
+        "model",
+        "arrival",
+        "rate",
+        "burstiness",
+        "replay_file",
+        "mix",
+        "prompt_tokens",
+        "max_tokens",
+        "max_in_flight",
+        "late_ms",
+        "burst_size",
+        "burst_every",
+        "seed",
+        "request_timeout",
+        "num_users",
+        "no_stream",
+    )
+    return {k: getattr(opts, k, None) for k in keys}
+
+
+def _write_json(run_dir: str, rel: str, obj: Any) -> None:
+    fs, root = resolve_fs(run_dir)
+    path = f"{root.rstrip('/')}/{rel}"
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = path + ".tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(json.dumps(obj, indent=1, default=str).encode())
+    fs.move(tmp, path)

@@ -1,0 +1,446 @@
+"""Locust integration: users, open-loop dispatch, bursts, live stats, the web UI tab.
+
+Import this module from a locustfile (`locustfiles/calculet.py` does); importing it
+registers the command-line options and the event listeners. Only the `locust_*` modules
+and the locustfiles import Locust: Locust monkey-patches the standard library on import,
+and the rest of calculet_load must stay importable without that. This module is the
+wiring; a process's share of the run is `locust_worker.Worker`, the master's side
+`locust_coordinator.Coordinator`, and a distributed `accept` is `locust_cells`.
+
+How a run is organised:
+
+* **The master (or a single local process) owns the plan.** At `test_start`, before
+  Locust sends its first spawn message, it fixes the run id, the run folder, the
+  schedule origin (a wall time a moment ahead) and the list of worker processes, and
+  puts them into `parsed_options.calculet_plan`; Locust forwards custom options to the
+  workers with the spawn message. Every second it re-broadcasts the current target
+  (users, rate) for labels and late joiners, trims Locust's history, and writes
+  `client/index.json`.
+* **Each worker process is one dispatcher slot.** Open loop (`--arrival poisson |
+  constant | gamma | replay`): one greenlet per process computes the one global
+  schedule (calculet_load.workload.arrivals) and fires the arrivals of its slot at their
+  intended time, whatever the server does; an arrival that finds `--max-in-flight`
+  requests running is recorded as dropped. Locust's users are idle placeholders
+  then: their number does not change the load. Closed loop (`--arrival closed`):
+  each Locust user sends its next request when the last one ends.
+* **Bursts** (`--arrival burst`): the master sends a fire-at wall time ahead; each
+  worker opens its connections in advance, waits on its monotonic clock and fires its
+  share at once. Every request of a burst carries the burst id.
+* **Clocks** (calculet_load.locust.clocksync): the master measures each worker's
+  wall-clock offset to itself over Locust's message channel (NTP-style) when it
+  connects, before each run and every `--clock-sync-every` s; workers move the
+  master's wall instants (schedule origin, fire-at) onto their own clock with it. Each
+  worker also measures RTT and jitter to the target (calculet_load.target.netprobe).
+* **Records** go to the worker's own Parquet parts in the run folder; Locust's
+  `request` event fires once per request (its cell, E2E, failure), and the token-level
+  figures go to the LLM tab, CSV and HTML section (calculet_load.locust.llmstats, .locust_llm).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import gevent
+import gevent.event
+import gevent.pool
+from locust import User, events, task
+from locust.env import Environment
+from locust.runners import MasterRunner, WorkerRunner
+
+from calculet_load.errors import ExitCode
+from calculet_load.locust.coordinator import Coordinator
+from calculet_load.locust.livestats import LiveStats
+from calculet_load.locust.llmstats import LLMTable
+from calculet_load.locust.worker import (
+    ARRIVALS,
+    OPEN_LOOP,
+    PROTOCOLS,
+    Plan,
+    Worker,
+    _mix,
+    options,
+)
+from calculet_load.measure.prompts import WorkloadError
+from calculet_load.measure.sink import sink_status
+from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.workload.arrivals import ArrivalError, load_replay, unit_gaps
+from calculet_load.workload.mixes import MixError
+
+log = logging.getLogger("calculet_load")
+
+UI_OPTIONS: set[str] = set()  # our options in the web UI's start form (their dest names)
+
+
+# ------------------------------------------------------------------ options
+@events.init_command_line_parser.add_listener
+def _add_options(parser: Any) -> None:
+    def opt(*names: str, **kw: Any) -> None:
+        ui = kw.pop("ui", True)
+        action = parser.add_argument(*names, include_in_web_ui=ui, **kw)
+        if ui:
+            UI_OPTIONS.add(action.dest)
+
+    opt("--protocol", choices=PROTOCOLS, default="llama", help="target protocol")
+    opt("--model", default="", help="model name sent to OpenAI-style targets")
+    opt(
+        "--arrival",
+        choices=ARRIVALS,
+        default="closed",
+        help="closed: each user waits for its response; poisson/constant/gamma/replay: "
+        "open loop at --rate, independent of responses; burst: --burst-size at once",
+    )
+    opt("--rate", type=float, default=1.0, help="open loop: arrivals per second (all workers)")
+    opt("--burstiness", type=float, default=1.0, help="gamma: shape k (CV = 1/sqrt(k))")
+    opt("--replay-file", default="", help="replay: arrival timestamps (s), one per line")
+    opt("--mix", default="", help="workload mix: a file or a name in configs/mixes/")
+    opt("--prompt-tokens", type=int, default=128, help="prompt length (without --mix)")
+    opt("--max-tokens", type=int, default=32, help="output tokens (without --mix)")
+    opt("--max-in-flight", type=int, default=256, help="open loop: in-flight cap per process")
+    opt("--late-ms", type=float, default=5.0, help="an arrival sent later than this is late")
+    opt("--burst-size", type=int, default=8, help="burst: requests fired at one instant")
+    opt("--burst-every", type=float, default=0.0, help="burst: period in s (0: one burst)")
+    opt("--burst-lead", type=float, default=1.0, help="burst: announce this many s ahead")
+    opt("--seed", type=int, default=0, help="seed of the schedule and the mix choices")
+    opt("--run-id", default="", help="run id (default: the manifest's, else generated)")
+    opt("--run-dir", default="", help="run folder, path or URI (default: runs/<run id>)")
+    opt("--manifest", default="", help="run manifest YAML (provenance of every record)")
+    opt("--request-timeout", type=float, default=900.0, help="total timeout per request, s")
+    opt("--start-delay", type=float, default=2.0, help="open loop: schedule starts after, s")
+    opt("--no-stream", action="store_true", default=False, help="ask for whole responses")
+    opt(
+        "--stages",
+        default="",
+        ui=False,
+        help="with locustfiles/stages.py: DURATION_S@RATE[@BURST_SIZE/EVERY_S],... or a YAML file",
+    )
+    # issue 9: Prometheus exposition (calculet_load.locust.prom) and server sampling (.scrape)
+    opt("--metrics-port", type=int, default=0, ui=False, help="serve Prometheus /metrics (0: off)")
+    opt("--metrics-host", default="", ui=False, help="--metrics-port's address (default: all)")
+    opt(
+        "--scrape-interval",
+        type=float,
+        default=5.0,
+        ui=False,
+        help="master: sample the target's /metrics and process into server/ every N s (0: off)",
+    )
+    opt("--server-metrics-url", default="", ui=False, help="default: TARGET/metrics")
+    # issue 15: clocks across hosts, and RTT/jitter to the target (spec §5)
+    opt(
+        "--clock-sync-every",
+        type=float,
+        default=30.0,
+        ui=False,
+        help="master: measure each worker's clock offset again every N s (0: at connect only)",
+    )
+    opt(
+        "--rtt-samples",
+        type=int,
+        default=8,
+        ui=False,
+        help="connect and /health round trips to the target per round, per worker (0: off)",
+    )
+    opt("--rtt-every", type=float, default=60.0, ui=False, help="a round every N s (0: once)")
+    opt(
+        "--server-pid",
+        type=int,
+        default=0,
+        ui=False,
+        help="target process to sample (0: by the target's port on this host; -1: off)",
+    )
+
+
+# ------------------------------------------------------------------ process state
+@dataclass
+class _State:
+    worker: Worker | None = None
+    plan: Plan | None = None
+    master: Coordinator | None = None
+
+
+STATE = _State()
+
+
+# ------------------------------------------------------------------ Locust wiring
+@events.init.add_listener
+def _on_init(environment: Environment, **_kw: Any) -> None:
+    if environment.parsed_options is None:
+        return
+    _validate(environment.parsed_options)
+    # The sink's writer thread converts rows to Arrow while holding the GIL; with the
+    # default 5 ms switch interval the event loop could wait that long for the GIL, and
+    # every timestamp with it. 0.5 ms bounds that wait at a small cost in throughput.
+    sys.setswitchinterval(0.0005)
+    runner = environment.runner
+    if not isinstance(runner, WorkerRunner):
+        STATE.master = Coordinator(environment, lambda: STATE.worker)
+    if isinstance(runner, WorkerRunner):
+        runner.register_message("calculet_rate", _on_rate_msg)
+        runner.register_message("calculet_burst", _on_burst_msg)
+        runner.register_message("calculet_target", _on_target_msg)
+        runner.register_message("calculet_stop", _on_stop_msg)
+        from calculet_load.locust import clocksync as locust_clocksync
+
+        locust_clocksync.install_worker(runner)  # issue 15: answer the master's clock pings
+        from calculet_load.locust import cells as locust_cells
+
+        locust_cells.install_worker(runner)  # the shares of a distributed `accept`
+    if isinstance(runner, MasterRunner):
+        runner.register_message("calculet_parts", _on_parts_msg)
+        from calculet_load.locust.clocksync import ClockSync
+
+        assert STATE.master is not None
+        sync = STATE.master.clock_sync = ClockSync(runner)  # issue 15
+        sync.start(lambda: float(options(environment).clock_sync_every))
+    if environment.web_ui is not None:
+        from calculet_load.locust import webui as locust_webui
+
+        locust_webui.install(
+            environment,
+            lambda: STATE.master,
+            live_stats,
+            llm_table,
+            lambda trial: option_problems(trial),
+            UI_OPTIONS,
+        )
+    from calculet_load.locust import llm as locust_llm
+
+    locust_llm.install(environment, llm_table, _reset_llm)  # issue 15: CSV, HTML, resets
+    if int(environment.parsed_options.metrics_port) > 0:  # issue 9
+        from calculet_load.locust import prom
+
+        prom.install(environment, live_stats, lambda: STATE.plan)
+
+
+def _validate(opts: Any) -> None:
+    """Bad options fail at start with one line naming the option, exit 2 (invalid input,
+    as a bad manifest is everywhere in calculet-load)."""
+    problems = option_problems(opts)
+    if problems:
+        print("calculet-load: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(int(ExitCode.INVALID_ARTIFACT))
+
+
+def option_problems(opts: Any) -> list[str]:
+    """What is wrong with these options, one phrase naming the option each (none: [])."""
+    problems = []
+    if not math.isfinite(opts.rate) or opts.rate < 0:
+        problems.append(f"--rate must be a finite number >= 0, got {opts.rate}")
+    if opts.arrival == "replay" and not opts.replay_file:
+        problems.append("--replay-file is required with --arrival replay")
+    elif opts.arrival == "replay":
+        try:
+            next(unit_gaps("replay", 0, replay=load_replay(opts.replay_file)))
+        except (ArrivalError, OSError) as exc:
+            problems.append(f"--replay-file: {exc}")
+    if opts.burstiness <= 0:
+        problems.append(f"--burstiness must be > 0, got {opts.burstiness}")
+    if opts.max_in_flight < 1:
+        problems.append(f"--max-in-flight must be >= 1, got {opts.max_in_flight}")
+    if not 0 <= opts.rtt_samples <= 1000:
+        problems.append(f"--rtt-samples must be in 0..1000, got {opts.rtt_samples}")
+    try:
+        _mix(opts)
+        if opts.manifest:
+            manifest = load_manifest(opts.manifest)
+            if manifest.environment.vpn_in_path and opts.rtt_samples < 2:  # spec §5
+                problems.append(
+                    "environment.vpn_in_path is true: RTT and jitter must be measured "
+                    f"(--rtt-samples >= 2, got {opts.rtt_samples})"
+                )
+    except (MixError, ManifestError) as exc:
+        problems.append(str(exc))
+    return problems
+
+
+@events.test_start.add_listener
+def _on_test_start(environment: Environment, **_kw: Any) -> None:
+    runner = environment.runner
+    opts = options(environment)
+    if isinstance(runner, MasterRunner):
+        assert STATE.master is not None
+        STATE.plan = STATE.master.start()
+        return
+    if isinstance(runner, WorkerRunner):
+        plan = Plan.from_json(opts.calculet_plan)
+        index = runner.worker_index
+    else:  # one local process: it is its own master
+        assert STATE.master is not None
+        plan = STATE.master.start()
+        index = 0
+    if STATE.worker is not None:
+        STATE.worker.stop(timeout_s=1.0)
+    STATE.plan = plan
+    STATE.worker = Worker(environment, plan, index)
+    if plan.arrival in OPEN_LOOP:
+        STATE.worker.start_dispatcher()
+
+
+@events.test_stopping.add_listener
+def _on_test_stopping(environment: Environment, **_kw: Any) -> None:
+    if STATE.worker is not None:
+        STATE.worker.stopping = True  # no new arrivals; in-flight requests finish
+        STATE.worker.plan_changed.set()
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment: Environment, **_kw: Any) -> None:
+    runner = environment.runner
+    w = STATE.worker
+    if w is not None:
+        STATE.worker = None
+        w.stop(timeout_s=max(environment.stop_timeout or 0.0, 10.0))
+        report = w.report()
+        report["llm"] = w.take_llm_pending()  # the figures since its last stats report
+        problem = sink_status(report.get("sink"))
+        if problem is not None:
+            log.error("calculet worker %s: not every record is in its parts: %s", w.name, problem)
+            environment.process_exit_code = int(ExitCode.INFRASTRUCTURE)
+        if isinstance(runner, WorkerRunner):
+            runner.send_message("calculet_parts", report)
+        elif STATE.master is not None:
+            STATE.master.adopt(w)  # a local run's figures stay on view after it ends
+            STATE.master.on_parts(report)
+    master = STATE.master
+    if master is None or master.plan is None or master.ended_wall_ns is not None:
+        return
+    master.stop()
+    if isinstance(runner, MasterRunner):
+        # Locust's own quit (--run-time, Ctrl-C) does not wait for workers to stop:
+        # ask them to stop now and wait for their part lists before the index closes.
+        runner.send_message("calculet_stop", None)
+        deadline = time.monotonic() + (environment.stop_timeout or 0.0) + 20.0
+        expected = master.expected_workers()
+        while time.monotonic() < deadline and not expected <= set(master.reports):
+            gevent.sleep(0.2)
+    index = master.write_index("complete")
+    if index is not None and index["status"] != "complete":
+        problems = [
+            f"{w['worker']}: {w.get('sink_problem') or w.get('status')}"
+            for w in index["workers"]
+            if w.get("status") != "reported"
+        ]
+        log.error(
+            "calculet run %s is INCOMPLETE (%s): see %s/client/index.json",
+            master.plan.run_id,
+            "; ".join(problems) or index["status"],
+            master.plan.run_dir,
+        )
+        # Exit 3, infrastructure invalid: records are missing from the parts, so no
+        # figure of this run can be trusted as is (Locust's own code would say 0 or 1).
+        environment.process_exit_code = int(ExitCode.INFRASTRUCTURE)
+
+
+def _on_stop_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
+    """The master is stopping the run: stop this worker's users, then report (test_stop)."""
+    runner = environment.runner
+    if STATE.worker is not None and runner is not None:
+        runner.stop()
+
+
+@events.report_to_master.add_listener
+def _on_report_to_master(client_id: str, data: dict[str, Any], **_kw: Any) -> None:
+    w = STATE.worker
+    if w is None:
+        return
+    wire = w.wire_pending.to_wire()
+    wire["worker"] = w.name
+    wire["in_flight"] = w.session.in_flight
+    wire["cpu_percent"] = w.cpu_percent
+    wire["llm"] = w.take_llm_pending()
+    w.wire_pending = LiveStats()
+    data["calculet"] = wire
+
+
+@events.worker_report.add_listener
+def _on_worker_report(client_id: str, data: dict[str, Any], **_kw: Any) -> None:
+    if STATE.master is not None:
+        STATE.master.on_worker_stats(client_id, data)
+
+
+def _on_rate_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
+    if STATE.worker is not None:
+        STATE.worker.change_rate(int(msg.data["at_ns"]), float(msg.data["rate"]))
+
+
+def _on_burst_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
+    w = STATE.worker
+    if w is None:
+        return
+    me = str(w.index)
+    n = int(msg.data["counts"].get(me, 0))
+    if n:
+        gevent.spawn(
+            w.burst,
+            msg.data["id"],
+            int(msg.data["fire_at_wall_ns"]),
+            n,
+            int(msg.data["first_k"][me]),
+        )
+
+
+def _on_target_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
+    if STATE.worker is not None:
+        STATE.worker.target_users = int(msg.data["users"])
+
+
+def _on_parts_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
+    if STATE.master is not None:
+        STATE.master.on_parts(msg.data)
+
+
+def worker_slots() -> list[int]:
+    """Worker indexes that take part (this process alone when not distributed)."""
+    return STATE.master.workers() if STATE.master is not None else [0]
+
+
+def live_stats() -> LiveStats | None:
+    """The live figures of this process: merged (master), or its own (local run)."""
+    if STATE.master is not None and STATE.master.distributed:
+        return STATE.master.stats
+    if STATE.worker is not None:
+        return STATE.worker.stats
+    return STATE.master.stats if STATE.master is not None else None
+
+
+def llm_table() -> LLMTable | None:
+    """The LLM tab's figures: merged (master), or this process's own (local run)."""
+    if STATE.master is not None and STATE.master.distributed:
+        return STATE.master.llm
+    if STATE.worker is not None:
+        return STATE.worker.llm
+    return STATE.master.llm if STATE.master is not None else None
+
+
+def _reset_llm() -> None:
+    """Locust's "Reset stats" on this process (the master also tells its workers)."""
+    if STATE.worker is not None:
+        STATE.worker.reset_llm()
+    if STATE.master is not None:
+        STATE.master.llm.reset()
+
+
+# ------------------------------------------------------------------ the user
+class CalculetUser(User):
+    """Closed loop: send, wait for the whole response, send again. Open loop and bursts:
+    an idle placeholder (the process's dispatcher sends; users do not add load)."""
+
+    abstract = False
+
+    @task
+    def work(self) -> None:
+        w = STATE.worker
+        if w is None or w.plan.arrival != "closed" or w.stopping:
+            gevent.sleep(0.5)
+            return
+        if not w.wait_ready(1.0):  # prompts and connections first: start-up is not load
+            return
+        try:
+            w.closed_request()
+        except (WorkloadError, OSError) as exc:
+            log.error("%s: cannot build the request: %s", w.name, exc)
+            gevent.sleep(1.0)

@@ -1,0 +1,567 @@
+# size: pool, read loop and error taxonomy together: every stamp is taken one way
+"""The timed streaming client (gevent sockets, h11 for HTTP/1.1 framing).
+
+Stamps are taken when bytes arrive: t1 when the request is fully written, t2/t3/t4/t5
+from the read that completed the headers or the event, t6 at the end of the message.
+Parsing happens after the stamp. Connections are kept alive in a pool sized to the
+in-flight cap; a request that would have to wait for a connection is refused at once
+(`PoolExhausted`) instead of silently queueing. Every failure becomes an error class in
+the outcome (see ERROR_CLASSES); nothing a server sends can crash the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import socket
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, cast
+from urllib.parse import urlsplit
+
+import gevent
+import gevent.socket as gsocket
+import h11
+
+from calculet_load.clock import Clock, SystemClock
+from calculet_load.measure.protocols import (
+    Adapter,
+    CountState,
+    EventInfo,
+    ProtocolError,
+    raw_text,
+    safe_text,
+)
+from calculet_load.measure.sse import SSELineTooLong, SSEParser
+from calculet_load.schema.records import ClientNs, TokenEvent
+
+# The error taxonomy: every failed request carries exactly one of these.
+ERROR_CLASSES: dict[str, str] = {
+    "connect_refused": "the target refused the TCP connection",
+    "connect_timeout": "no TCP connection within the connect timeout",
+    "connection_reset": "the connection was reset or closed mid-request",
+    "first_byte_timeout": "no response byte within the first-byte timeout",
+    "idle_timeout": "no bytes between events within the idle timeout",
+    "total_timeout": "the request exceeded its total timeout (manifest timeout_s)",
+    "http_4xx": "the server answered 4xx",
+    "http_5xx": "the server answered 5xx",
+    "http_other": "the server answered with an unexpected non-2xx status",
+    "server_error_event": "the stream carried an error event",
+    "malformed_http": "the response is not valid HTTP/1.1",
+    "malformed_sse": "the event stream breaks the SSE rules (e.g. a line over the limit)",
+    "invalid_json": "an event's data is not valid JSON",
+    "invalid_utf8": "the stream is not valid UTF-8",
+    "truncated_stream": "the stream ended before the protocol's end marker",
+    "protocol_violation": "the response breaks the target protocol",
+    "nonfinite_number": "a numeric field is NaN or Infinity",
+    "value_out_of_range": "a count is negative or beyond int64 (the raw value is kept as text)",
+    "content_encoding": "the response has a Content-Encoding the client did not ask for",
+    "cancelled": "the client cancelled the request on purpose",
+    "pool_exhausted": "no connection free under the connection cap",
+    "dropped": "an open-loop arrival found the in-flight cap full and was not sent",
+}
+
+# Generated tokens may exceed the request's max_tokens by this many before the count is
+# flagged (token_count_mismatch with a count_anomaly): none, as OpenAI and llama.cpp
+# define max_tokens/n_predict as a hard cap. A session may declare another.
+OUTPUT_SLACK_TOKENS = 0
+ERROR_DETAIL_CHARS = 500
+ERROR_CODE_CHARS = 100
+FINISH_REASON_CHARS = 64
+
+T = TypeVar("T")
+CancelAt = Literal["before_headers", "first_token"] | int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 10.0
+    first_byte_s: float = 900.0
+    idle_s: float = 300.0
+    total_s: float = 900.0
+
+
+class Endpoint:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"target url: {url!r} must be http://HOST[:PORT]")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.authority = f"{parts.hostname}:{self.port}"
+        self.url = url
+        self._addr: tuple[int, Any] | None = None
+
+    def address(self) -> tuple[int, Any]:
+        """(family, sockaddr), resolved once: a name lookup per connection would add
+        milliseconds (gevent's resolver runs in a thread pool) to the first request."""
+        if self._addr is None:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            family, _, _, _, sockaddr = infos[0]
+            self._addr = (family, sockaddr)
+        return self._addr
+
+
+class PoolExhausted(Exception):
+    pass
+
+
+class ConnectionPool:
+    """Keep-alive connections to one endpoint, at most `max_connections` open."""
+
+    def __init__(self, endpoint: Endpoint, max_connections: int) -> None:
+        self.endpoint = endpoint
+        self.max_connections = max_connections
+        self._idle: list[socket.socket] = []
+        self.open = 0
+
+    def acquire(self, connect_timeout: float) -> tuple[socket.socket, bool]:
+        while self._idle:
+            sock = self._idle.pop()
+            if _alive(sock):
+                return sock, True
+            self._discard(sock)
+        if self.open >= self.max_connections:
+            raise PoolExhausted
+        return self._connect(connect_timeout), False
+
+    def _connect(self, connect_timeout: float) -> socket.socket:
+        self.open += 1
+        sock = None
+        try:
+            family, sockaddr = self.endpoint.address()
+            # gevent's socket has the stdlib socket's interface (not its class).
+            sock = cast(socket.socket, gsocket.socket(family, socket.SOCK_STREAM))
+            sock.settimeout(connect_timeout)
+            sock.connect(sockaddr)
+        except BaseException:
+            self.open -= 1
+            if sock is not None:
+                sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def prewarm(self, n: int, connect_timeout: float = 10.0) -> int:
+        """Open up to `n` idle connections ahead of time (bursts, first requests)."""
+        opened = 0
+        while len(self._idle) < n and self.open < self.max_connections:
+            self._idle.append(self._connect(connect_timeout))
+            opened += 1
+        return opened
+
+    def release(self, sock: socket.socket, reusable: bool) -> None:
+        if reusable:
+            self._idle.append(sock)
+        else:
+            self._discard(sock)
+
+    def _discard(self, sock: socket.socket) -> None:
+        self.open -= 1
+        sock.close()
+
+    def close(self) -> None:
+        while self._idle:
+            self._discard(self._idle.pop())
+
+
+def _alive(sock: socket.socket) -> bool:
+    """An idle keep-alive connection is reusable if it has nothing to read (no EOF)."""
+    # Timeout 0: gevent must not wait for readability here, it must answer at once.
+    sock.settimeout(0.0)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except (BlockingIOError, TimeoutError):
+        return True
+    except OSError:
+        return False
+    return False  # b"" = the server closed it; bytes = stray data, not reusable
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    """What one request produced, before it becomes a RequestRecord."""
+
+    request_id: str
+    client_ns: ClientNs = dataclasses.field(default_factory=ClientNs)
+    wall_anchor_ns: int | None = None
+    http_status: int | None = None
+    finish_reason: str | None = None
+    output_tokens: int = 0
+    server_total: int | None = None
+    prompt_tokens_server: int | None = None
+    count_source: str | None = None
+    token_hash: str | None = None
+    error_class: str | None = None
+    error_code: str | None = None
+    error_detail: str | None = None
+    events: int = 0
+    token_events: list[TokenEvent] = dataclasses.field(default_factory=list)
+    timings: dict[str, Any] | None = None
+    connection_reused: bool | None = None
+    cancelled_at: str | None = None
+    nonfinite: bool = False
+    invalid_value: str | None = None  # the offending raw value of a failure, bounded text
+    count_anomaly: str | None = None  # why the token count is not to be believed as is
+
+    @property
+    def ok(self) -> bool:
+        return self.error_class is None
+
+    @property
+    def token_count_mismatch(self) -> bool:
+        if self.count_anomaly is not None:
+            return True
+        return self.server_total is not None and self.server_total != self.output_tokens
+
+
+class _Fail(Exception):
+    def __init__(
+        self, error_class: str, detail: str, code: str | None = None, raw: str | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.error_class, self.detail, self.code, self.raw = error_class, detail, code, raw
+
+
+class _Run:
+    """State of one request while it runs; `execute` drives it."""
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        out: Outcome,
+        clock: Clock,
+        stream: bool,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.on_token = on_token
+        self.out = out
+        self.clock = clock
+        self.stream = stream
+        self.parser = SSEParser()
+        self.count = CountState()
+        self.hash = hashlib.sha256()
+        self.done = False
+        self.body = bytearray()
+        self.t: dict[str, int | None] = {k: None for k in ("t3", "t4", "t5")}
+
+    def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
+        """Feed stream bytes that arrived at t; True when the client should stop now."""
+        try:
+            events = self.parser.feed(data)
+        except SSELineTooLong as exc:
+            raise _Fail("malformed_sse", str(exc)) from None
+        for i, ev in enumerate(events):
+            if i & 15 == 15:
+                # A backlog read can hold hundreds of events: all are stamped at its
+                # arrival already; let other streams take their stamps meanwhile.
+                gevent.sleep(0)
+            if self.done:
+                raise _Fail("protocol_violation", "event after the end-of-stream marker")
+            try:
+                info = self.adapter.event(ev.data, self.count)
+            except ProtocolError as exc:
+                raise _Fail(exc.error_class, str(exc), raw=exc.raw) from None
+            self._account(info, t)
+            if info.error is not None:
+                raise _Fail("server_error_event", info.error, info.error_type)
+            if cancel == "first_token" and self.t["t4"] is not None:
+                return True
+            if isinstance(cancel, int) and len(self.out.token_events) >= cancel:
+                return True
+        if self.parser.invalid_utf8:
+            raise _Fail("invalid_utf8", f"{self.parser.invalid_utf8} invalid UTF-8 sequence(s)")
+        return False
+
+    def _account(self, info: EventInfo, t: int) -> None:
+        out = self.out
+        index = out.events
+        out.events += 1
+        if self.t["t3"] is None:
+            self.t["t3"] = t
+        if info.nonfinite:
+            out.nonfinite = True
+        if info.count_anomaly is not None and out.count_anomaly is None:
+            out.count_anomaly = f"event {index}: {info.count_anomaly}"
+        if info.text:
+            # surrogatepass: a JSON escape such as "\ud800" decodes to a lone surrogate,
+            # which plain .encode() refuses (it would raise out of execute).
+            self.hash.update(info.text.encode("utf-8", "surrogatepass"))
+        if info.tokens:
+            if self.t["t4"] is None:
+                self.t["t4"] = t
+            self.t["t5"] = t
+            out.output_tokens += info.tokens
+            ev = TokenEvent(out.request_id, index, t, info.tokens, info.cumulative)
+            out.token_events.append(ev)
+            if self.on_token is not None:
+                self.on_token(ev)
+        if info.finish_reason:
+            out.finish_reason = safe_text(info.finish_reason[:FINISH_REASON_CHARS])
+        if info.final_total is not None:
+            out.server_total = info.final_total
+        if info.prompt_tokens is not None:
+            out.prompt_tokens_server = info.prompt_tokens
+        if info.timings is not None:
+            out.timings = info.timings
+        if info.done:
+            self.done = True
+        out.count_source = self.count.source
+
+
+def execute(
+    pool: ConnectionPool,
+    adapter: Adapter,
+    body: dict[str, Any],
+    request_id: str,
+    *,
+    stream: bool,
+    timeouts: Timeouts = Timeouts(),
+    clock: Clock | None = None,
+    cancel: CancelAt = None,
+    extra_headers: dict[str, str] | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
+    max_tokens: int | None = None,
+    output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
+) -> Outcome:
+    """Run one request and return its outcome; never raises for a server's behaviour.
+
+    `on_token` is called for each event that carries generated tokens, right after it is
+    counted (on the reading greenlet: it must be cheap). With `max_tokens`, an output
+    (the client's count or the server's total) above it plus `output_slack_tokens` is
+    flagged as a count anomaly."""
+    clock = clock or SystemClock()
+    out = Outcome(request_id)
+    run = _Run(adapter, out, clock, stream, on_token)
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    headers = [
+        ("Host", pool.endpoint.authority),
+        ("Content-Type", "application/json"),
+        ("Accept", "text/event-stream" if stream else "application/json"),
+        ("Content-Length", str(len(payload))),
+        ("X-Request-Id", request_id),
+        # Bytes are stamped as they arrive and parsed as SSE: a compressed body would be
+        # neither, so it is asked for in the clear (and refused if it comes otherwise).
+        ("Accept-Encoding", "identity"),
+        *(extra_headers or {}).items(),
+    ]
+    conn = h11.Connection(h11.CLIENT)
+    wire = conn.send(h11.Request(method="POST", target=adapter.path, headers=headers))
+    wire += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
+    anchor_wall = clock.wall_ns()
+    t0 = clock.mono_ns()
+    out.wall_anchor_ns = anchor_wall
+    ns: dict[str, int | None] = {"t0": t0, "t1": None, "t2": None, "t6": None}
+    sock: socket.socket | None = None
+    reusable = False
+    killed: gevent.GreenletExit | None = None
+    deadline = t0 + int(timeouts.total_s * 1e9)
+    try:
+        try:
+            sock, out.connection_reused = pool.acquire(timeouts.connect_s)
+        except PoolExhausted:
+            raise _Fail("pool_exhausted", f"all {pool.max_connections} connections busy") from None
+        except ConnectionRefusedError as exc:
+            raise _Fail("connect_refused", str(exc)) from None
+        except (TimeoutError, gsocket.timeout) as exc:
+            raise _Fail("connect_timeout", str(exc) or "connect timed out") from None
+        except OSError as exc:
+            raise _Fail("connect_refused", str(exc)) from None
+        sock.settimeout(max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001))
+        try:
+            sock.sendall(wire)
+        except OSError as exc:
+            raise _Fail("connection_reset", f"while sending: {exc}") from None
+        ns["t1"] = clock.mono_ns()
+        if cancel == "before_headers":
+            out.cancelled_at = "before_headers"
+            raise _Fail("cancelled", "cancelled after the request was sent, before headers")
+        reusable = _read(sock, conn, run, ns, timeouts, deadline, cancel)
+    except _Fail as f:
+        out.error_class = f.error_class
+        out.error_detail = safe_text(f.detail[:ERROR_DETAIL_CHARS])
+        out.error_code = safe_text((f.code or f.error_class)[:ERROR_CODE_CHARS])
+        out.invalid_value = f.raw
+        if f.error_class == "cancelled" and out.cancelled_at is None:
+            out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+    except gevent.GreenletExit as exc:
+        # The run stopped and killed this request's greenlet: keep what it measured.
+        out.error_class = out.error_code = "cancelled"
+        out.error_detail = "cut when the run stopped"
+        out.cancelled_at = "run_stop"
+        killed = exc
+    finally:
+        if sock is not None:
+            pool.release(sock, reusable and out.error_class is None)
+    out.client_ns = ClientNs(
+        request_start=t0,
+        headers_sent=ns["t1"],
+        response_headers=ns["t2"],
+        first_event=run.t["t3"],
+        first_token=run.t["t4"],
+        last_token=run.t["t5"],
+        response_end=ns["t6"],
+    )
+    if out.output_tokens or out.events:
+        out.token_hash = run.hash.hexdigest()
+    if max_tokens is not None and out.count_anomaly is None:
+        top = max(out.output_tokens, out.server_total or 0)
+        if top > max_tokens + output_slack_tokens:
+            out.count_anomaly = (
+                f"output {top} tokens above the requested max {max_tokens}"
+                f" (+{output_slack_tokens} slack)"
+            )
+    if killed is not None:
+        killed.outcome = out  # Session.send records it
+        raise killed
+    return out
+
+
+def _read(
+    sock: socket.socket,
+    conn: h11.Connection,
+    run: _Run,
+    ns: dict[str, int | None],
+    timeouts: Timeouts,
+    deadline: int,
+    cancel: CancelAt,
+) -> bool:
+    """Read the response; returns whether the connection may be reused."""
+    clock = run.clock
+    out = run.out
+    status = 0
+    is_sse = False
+    t = 0
+    first = b""  # the response's first bytes (up to 5): is it HTTP at all?
+    eof = False
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            # h11 also raises when the peer closes before the message is complete (inside
+            # the head, a Content-Length or a chunked body): that is a connection closed
+            # mid-response, not bad HTTP, unless what did come cannot start a status line.
+            if eof and (ns["t2"] is not None or b"HTTP/".startswith(first)):
+                raise _Fail("connection_reset", f"closed mid-response: {exc}") from None
+            raise _Fail("malformed_http", str(exc)) from None
+        if event is h11.NEED_DATA:
+            now = clock.mono_ns()
+            if now >= deadline:
+                raise _Fail("total_timeout", "total timeout reached")
+            # Any byte ends the first-byte wait, a partial status line included.
+            limit, kind = (
+                (timeouts.idle_s, "idle_timeout")
+                if first
+                else (timeouts.first_byte_s, "first_byte_timeout")
+            )
+            remaining = (deadline - now) / 1e9
+            if remaining < limit:
+                limit, kind = remaining, "total_timeout"
+            sock.settimeout(max(limit, 0.001))
+            try:
+                data = sock.recv(65536)
+            except (TimeoutError, gsocket.timeout):
+                raise _Fail(kind, f"no bytes for {limit:.3f} s") from None
+            except OSError as exc:
+                raise _Fail("connection_reset", str(exc)) from None
+            t = clock.mono_ns()  # stamp at the byte, before any parsing
+            # Let every other stream whose bytes are already here take its stamp before
+            # this one spends time parsing: without this, when N streams' tokens land
+            # together the last one is stamped after N-1 parses (measured in
+            # benchmarks/timing_accuracy.py, the '@b16' level).
+            gevent.sleep(0)
+            if len(first) < 5:
+                first += data[: 5 - len(first)]
+            eof = not data
+            conn.receive_data(data)
+            continue
+        if isinstance(event, h11.Response):
+            ns["t2"] = t
+            status = out.http_status = event.status_code
+            ctype = _header(event.headers, b"content-type") or ""
+            # media types are case-insensitive (RFC 9110 §8.3.1)
+            is_sse = ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
+            encoding = _header(event.headers, b"content-encoding")
+            if encoding and encoding.strip().lower() != "identity" and 200 <= status < 300:
+                raise _Fail(
+                    "content_encoding",
+                    f"Content-Encoding {encoding!r} not requested (the client sent "
+                    "Accept-Encoding: identity); the body cannot be read as sent",
+                    raw=raw_text(encoding),
+                )
+            if 200 <= status < 300 and run.stream and not is_sse:
+                raise _Fail("protocol_violation", f"stream requested, got content type {ctype!r}")
+        elif isinstance(event, h11.InformationalResponse):
+            continue
+        elif isinstance(event, h11.Data):
+            if is_sse and 200 <= status < 300:
+                if run.on_sse(event.data, t, cancel):
+                    out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+                    raise _Fail("cancelled", f"cancelled at {out.cancelled_at}")
+            else:
+                run.body += event.data
+                if len(run.body) > 64 * 2**20:
+                    raise _Fail("protocol_violation", "response body over 64 MiB")
+        elif isinstance(event, h11.EndOfMessage):
+            ns["t6"] = t
+            _finish(run, status, t)
+            return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+        elif isinstance(event, h11.ConnectionClosed):
+            raise _Fail("connection_reset", "connection closed before the response ended")
+
+
+def _finish(run: _Run, status: int, t_end: int) -> None:
+    if not 200 <= status < 300:
+        code, detail = _error_body(bytes(run.body))
+        cls = "http_4xx" if 400 <= status < 500 else "http_5xx" if status >= 500 else "http_other"
+        raise _Fail(cls, detail, code or str(status))
+    if run.stream:
+        run.parser.close()  # an unterminated event is discarded (WHATWG)
+        if run.parser.truncated:
+            raise _Fail("truncated_stream", "stream ended inside an event")
+        if not run.done:
+            raise _Fail("truncated_stream", "stream ended without the protocol's end marker")
+    else:
+        try:
+            info = run.adapter.whole(bytes(run.body))
+        except ProtocolError as exc:
+            raise _Fail(exc.error_class, str(exc), raw=exc.raw) from None
+        # A whole response: every token arrives with the last byte, so there is a first
+        # event and a first token at t6, but no decode interval (TPOT is undefined).
+        run.count.source = info.count_source
+        run._account(info, t_end)
+        run.t["t5"] = None
+        if info.error is not None:
+            raise _Fail("server_error_event", info.error, info.error_type)
+    if run.out.nonfinite:
+        raise _Fail("nonfinite_number", "a numeric field is NaN or Infinity")
+
+
+def _header(headers: Any, name: bytes) -> str | None:
+    """One response header's value (h11 gives lower-case names), or None."""
+    for key, value in headers:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _error_body(body: bytes) -> tuple[str | None, str]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the stack
+        return None, f"non-JSON error body ({len(body)} bytes)"
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("type") or err.get("code") or ""), str(err.get("message", ""))[:300]
+    return None, "error body without an error object"
+
+
+def run_in_greenlet(fn: Callable[[], T]) -> T:
+    """Run a call in its own greenlet (for callers outside a gevent loop)."""
+    g = gevent.spawn(fn)
+    g.join()
+    if g.exception is not None:
+        raise g.exception
+    value: T = g.value
+    return value

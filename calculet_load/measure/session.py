@@ -1,0 +1,334 @@
+"""One worker's measuring session: send a request, turn its outcome into a record, sink it.
+
+`Session.send(spec)` is the single path every caller uses (probe, Locust users, the
+acceptance pipeline): build the body from an exact-length prompt, run the timed client,
+compute the §2.2 durations, and append the record and its token events to the sink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import gevent
+
+from calculet_load.clock import Clock, SystemClock
+from calculet_load.events import events
+from calculet_load.measure.client import (
+    OUTPUT_SLACK_TOKENS,
+    CancelAt,
+    ConnectionPool,
+    Endpoint,
+    Outcome,
+    Timeouts,
+    execute,
+)
+from calculet_load.measure.durations import durations
+from calculet_load.measure.prompts import Prompt
+from calculet_load.measure.protocols import adapter_for
+from calculet_load.measure.sink import PartSink
+from calculet_load.schema.manifest import RunManifest
+from calculet_load.schema.records import (
+    ClientNs,
+    Ext,
+    Hardware,
+    Quality,
+    RequestRecord,
+    Result,
+    Software,
+    TokenEvent,
+    Workload,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunContext:
+    """What every record of a run shares (from the manifest, or defaults for a probe)."""
+
+    run_id: str
+    worker: str
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+    model_alias: str | None = None
+    model_generation: int | None = None
+    calbin_sha256: str | None = None
+    software: Software = dataclasses.field(default_factory=Software)
+    hardware: Hardware = dataclasses.field(default_factory=Hardware)
+
+    @classmethod
+    def from_manifest(cls, m: RunManifest, worker: str) -> RunContext:
+        return cls(
+            run_id=m.run_id,
+            worker=worker,
+            host=m.client.host,
+            model_alias=m.model.alias,
+            model_generation=m.model.generation,
+            calbin_sha256=m.model.calbin_sha256,
+            software=Software(
+                server_commit=m.software.server_commit,
+                image_digest=m.software.image_digest,
+                calrt=m.software.calrt,
+                driver=m.software.driver,
+                firmware=m.software.firmware,
+            ),
+            hardware=Hardware(
+                board_serial_hash=hashlib.sha256(m.hardware.board.encode()).hexdigest()[:16],
+                chips=m.hardware.chips,
+                power_mode=m.hardware.power_mode,
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """What to send and how it is labelled."""
+
+    prompt: Prompt
+    max_tokens: int
+    stream: bool = True
+    temperature: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = True
+    cell: str | None = None
+    concurrency: int | None = None
+    arrival: str | None = None
+    intended_start_ns: int | None = None  # open loop: the schedule's monotonic time
+    late_after_ms: float | None = None  # sent later than this after intended: `late`
+    burst_id: str | None = None
+    warmup: bool = False
+    cancel: CancelAt = None
+
+    @property
+    def sampling(self) -> str:
+        return "greedy" if self.temperature == 0 else "seeded"
+
+
+def golden_spec(case: Any, prompt: Prompt, cell: str) -> RequestSpec:
+    """The request of one golden case (a `calculet_load.workload.matrix.GoldenCase`)."""
+    return RequestSpec(
+        prompt=prompt,
+        max_tokens=case.max_tokens,
+        temperature=case.temperature,
+        seed=case.seed,
+        cell=cell,
+        concurrency=1,
+        arrival="single",
+    )
+
+
+def clock_complete(ns: ClientNs, tokens: int, ok: bool, wall_anchor: int | None) -> bool:
+    """Every stamp the request's outcome requires is present and in order."""
+    if wall_anchor is None or not ok:
+        return False
+    need = [ns.request_start, ns.headers_sent, ns.response_headers, ns.first_event]
+    if tokens:
+        need.append(ns.first_token)
+        if ns.last_token is not None:
+            need.append(ns.last_token)
+    need.append(ns.response_end)
+    if any(v is None for v in need):
+        return False
+    return all(a <= b for a, b in itertools.pairwise(need))  # type: ignore[operator]
+
+
+def make_record(ctx: RunContext, spec: RequestSpec, out: Outcome, protocol: str) -> RequestRecord:
+    ns = out.client_ns
+    t0 = ns.request_start
+    late_ms = (
+        (t0 - spec.intended_start_ns) / 1e6
+        if spec.intended_start_ns is not None and t0 is not None
+        else None
+    )
+    from_intended: dict[str, float | None] = {"e2e": None, "ttft": None}
+    if spec.intended_start_ns is not None:
+        for key, stamp in (("e2e", ns.response_end), ("ttft", ns.first_token)):
+            if stamp is not None:
+                from_intended[key] = (stamp - spec.intended_start_ns) / 1e6
+    return RequestRecord(
+        run_id=ctx.run_id,
+        request_id=out.request_id,
+        model_alias=ctx.model_alias,
+        model_generation=ctx.model_generation,
+        calbin_sha256=ctx.calbin_sha256,
+        software=ctx.software,
+        hardware=ctx.hardware,
+        workload=Workload(
+            prompt_tokens=spec.prompt.tokens,
+            requested_output_tokens=spec.max_tokens,
+            actual_output_tokens=(
+                out.output_tokens if out.events and out.count_source != "missing" else None
+            ),
+            concurrency=spec.concurrency,
+            stream=spec.stream,
+            seed=spec.seed,
+        ),
+        client_ns=ns,
+        durations_ms=durations(ns, out.output_tokens) if out.ok else _partial(out),
+        result=Result(
+            http_status=out.http_status,
+            finish_reason=out.finish_reason,
+            token_hash=out.token_hash,
+            error_code=out.error_code,
+        ),
+        quality=Quality(
+            clock_complete=clock_complete(ns, out.output_tokens, out.ok, out.wall_anchor_ns),
+            warmup=spec.warmup,
+        ),
+        ext=Ext(
+            wall_anchor_ns=out.wall_anchor_ns,
+            worker=ctx.worker,
+            host=ctx.host,
+            cell=spec.cell,
+            protocol=protocol,
+            arrival=spec.arrival,
+            intended_start_ns=spec.intended_start_ns,
+            send_lag_ms=late_ms,
+            late=(
+                late_ms is not None
+                and spec.late_after_ms is not None
+                and late_ms > spec.late_after_ms
+            ),
+            dropped=out.error_class == "dropped",
+            burst_id=spec.burst_id,
+            e2e_from_intended_ms=from_intended["e2e"] if out.ok else None,
+            ttft_from_intended_ms=from_intended["ttft"],
+            error_class=out.error_class,
+            error_detail=out.error_detail,
+            events=out.events,
+            token_events=len(out.token_events),
+            client_output_tokens=out.output_tokens,
+            server_output_tokens=out.server_total,
+            server_prompt_tokens=out.prompt_tokens_server,
+            token_count_source=out.count_source,
+            token_count_mismatch=out.token_count_mismatch,
+            connection_reused=out.connection_reused,
+            cancelled_at=out.cancelled_at,
+            corpus_sample_id=spec.prompt.sample_id,
+            sampling=spec.sampling,
+            temperature=spec.temperature,
+            nonfinite_field=out.nonfinite,
+            invalid_value=out.invalid_value,
+            count_anomaly=out.count_anomaly,
+        ),
+    )
+
+
+def _partial(out: Outcome) -> Any:
+    """A failed request keeps the durations it reached (TTFT of a request cut mid-stream
+    is real), but E2E and TPOT describe a normal end only and stay null."""
+    d = durations(out.client_ns, out.output_tokens)
+    return dataclasses.replace(d, e2e=None, tpot=None)
+
+
+RecordHook = Callable[[RequestRecord, Outcome], None]
+
+
+def _token_hook() -> Callable[[TokenEvent], None]:
+    """Fires `events.first_token` once and `events.token_event` for each token event."""
+    first = True
+
+    def on_token(ev: TokenEvent) -> None:
+        nonlocal first
+        if first:
+            first = False
+            events.first_token.fire(request_id=ev.request_id, arrival_ns=ev.arrival_ns)
+        events.token_event.fire(event=ev)
+
+    return on_token
+
+
+class Session:
+    """Sends requests to one target and records them."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        url: str,
+        protocol: str,
+        *,
+        model: str | None = None,
+        max_in_flight: int = 1,
+        timeouts: Timeouts | None = None,
+        sink: PartSink | None = None,
+        clock: Clock | None = None,
+        output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
+    ) -> None:
+        self.ctx = ctx
+        self.output_slack_tokens = output_slack_tokens
+        self.adapter = adapter_for(protocol)
+        self.protocol = protocol
+        self.model = model
+        self.pool = ConnectionPool(Endpoint(url), max_in_flight)
+        self.timeouts = timeouts or Timeouts()
+        self.sink = sink
+        self.clock = clock or SystemClock()
+        self.hooks: list[RecordHook] = []
+        self._seq = itertools.count(1)
+        self.in_flight = 0
+
+    def next_request_id(self) -> str:
+        return f"{self.ctx.run_id}.{self.ctx.worker}.{next(self._seq):08d}"
+
+    def send(self, spec: RequestSpec) -> tuple[RequestRecord, Outcome]:
+        body = self.adapter.body(
+            spec.prompt.payload,
+            spec.max_tokens,
+            stream=spec.stream,
+            model=self.model,
+            temperature=spec.temperature,
+            seed=spec.seed,
+            ignore_eos=spec.ignore_eos,
+        )
+        self.in_flight += 1
+        on_token = _token_hook() if (events.token_event or events.first_token) else None
+        try:
+            out = execute(
+                self.pool,
+                self.adapter,
+                body,
+                self.next_request_id(),
+                stream=spec.stream,
+                timeouts=self.timeouts,
+                clock=self.clock,
+                cancel=spec.cancel,
+                on_token=on_token,
+                max_tokens=spec.max_tokens,
+                output_slack_tokens=self.output_slack_tokens,
+            )
+        except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
+            cut: Outcome | None = getattr(exc, "outcome", None)
+            if cut is not None:
+                self._finish(spec, cut)
+            raise
+        finally:
+            self.in_flight -= 1
+        return self._finish(spec, out), out
+
+    def _finish(self, spec: RequestSpec, out: Outcome) -> RequestRecord:
+        record = make_record(self.ctx, spec, out, self.protocol)
+        if self.sink is not None:
+            self.sink.add(record, out.token_events)
+        for hook in self.hooks:
+            hook(record, out)
+        if events.request_done:
+            events.request_done.fire(record=record, outcome=out)
+        return record
+
+    def record_dropped(self, spec: RequestSpec, reason: str) -> RequestRecord:
+        """Record an arrival that was not sent (in-flight cap full): never silently lost."""
+        out = Outcome(self.next_request_id())
+        out.wall_anchor_ns = self.clock.wall_ns()
+        out.error_class = out.error_code = "dropped"
+        out.error_detail = reason
+        record = make_record(self.ctx, spec, out, self.protocol)
+        if self.sink is not None:
+            self.sink.add(record)
+        if events.arrival_dropped:
+            events.arrival_dropped.fire(record=record)
+        return record
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,59 @@
+"""Prometheus text exposition, read: the one parser, and the resource figures (spec §13)
+a target's `/metrics` gives (`ResourceRow` fields by metric name). Pure: text in, numbers
+out; the sampler (calculet_load.target.resources) and the analysis both use it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FLOAT_FIELDS", "METRIC_NAMES", "parse_metrics", "resource_fields"]
+
+# ResourceRow field -> Prometheus series (first present wins; chip series are summed).
+METRIC_NAMES: dict[str, tuple[str, ...]] = {
+    "rss_bytes": ("calculet_process_rss_bytes", "process_resident_memory_bytes"),
+    "fds": ("calculet_process_open_fds", "process_open_fds"),
+    "threads": ("calculet_process_threads",),
+    "kv_allocated_tokens": ("calculet_kv_allocated_tokens",),
+    "kv_quarantined_tokens": ("calculet_kv_quarantined_tokens",),
+    "leases": ("calculet_buffer_pool_leased",),
+    "leases_free": ("calculet_buffer_pool_free",),
+    "leases_total": ("calculet_buffer_pool_total",),
+    "device_memory_mib": ("calculet_chip_memory_used_mib",),
+    "sequences_active": ("calculet_sequences_active",),
+    "requests_queued": ("calculet_requests_queued",),
+    "time_scale": ("calculet_sim_time_scale",),
+}
+FLOAT_FIELDS = {"device_memory_mib", "time_scale"}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition → {metric name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] == "#":
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        # a label value may hold spaces; the value never holds a '}'
+        end = line.rfind("}") + 1 if brace != -1 and (space == -1 or brace < space) else space
+        if end <= 0:
+            continue
+        fields = line[end:].split()
+        try:
+            value = float(fields[0]) if fields else None
+        except ValueError:
+            continue
+        if value is not None and value == value and abs(value) != float("inf"):
+            name = line[:end].split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def resource_fields(metrics: dict[str, float]) -> dict[str, Any]:
+    """ResourceRow fields from parsed /metrics (METRIC_NAMES: the first name present)."""
+    values: dict[str, Any] = {}
+    for field, names in METRIC_NAMES.items():
+        found = next((metrics[n] for n in names if n in metrics), None)
+        if found is not None:
+            values[field] = found if field in FLOAT_FIELDS else int(found)
+    return values

@@ -1,0 +1,251 @@
+"""One process's share of a matrix cell: the load shapes of spec §6 sent through a Session.
+
+`accept` runs a cell as a list of steps, each step a list of shares (one per client
+process). On one host the pipeline's own process takes the whole cell; in a distributed
+run (`accept --workers N` or `--master`) each Locust worker takes its share
+(calculet_load/locust/cells.py). Request k of a cell is a pure function of (cell seed,
+k), so splitting a cell changes which process sends a request, never what it is:
+
+  single, boundary  one process sends the cell's requests one after the other
+  closed            the cell's concurrency is split over the processes (users each), and
+                    its repetitions in proportion
+  open              every process is one slot of the one global arrival schedule
+                    (calculet_load.workload.arrivals: arrival k belongs to slot k mod D), which
+                    starts at a wall time the master fixes a moment ahead
+  burst             one step per round: each process fires its part of the burst at the
+                    round's wall instant, with the burst id on every request
+
+This module is Locust-free: the pipeline imports it without Locust's monkey-patching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import gevent
+import gevent.pool
+
+from calculet_load.clock import SystemClock
+from calculet_load.measure.prompts import Prompt
+from calculet_load.measure.selfwatch import sleep_until
+from calculet_load.measure.session import RequestSpec, Session
+from calculet_load.workload.arrivals import RateClock, Schedule
+from calculet_load.workload.matrix import Cell
+from calculet_load.workload.mixes import Mix, MixChooser
+
+OPEN_LEAD_S = 0.2  # schedule time 0 this far ahead of the step's dispatch
+BURST_LEAD_S = 0.1  # a burst's instant this far ahead: connections open, prompts built
+BURST_GAP_S = 0.2  # pause between two rounds of a burst cell
+LATE_AFTER_MS = 5.0  # an open-loop send this late after its intended time is flagged late
+
+
+class FleetError(Exception):
+    """The client processes cannot run a step; `infra`: the cause is on the client side
+    (a worker lost or unreachable: exit 3), else the workload itself (exit 2)."""
+
+    def __init__(self, message: str, *, infra: bool = True) -> None:
+        super().__init__(message)
+        self.infra = infra
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """What one process sends of one step of a cell."""
+
+    cell: Cell
+    mix: Mix
+    seed: int
+    first_k: int = 0  # single, closed, burst: requests k in [first_k, first_k + count)
+    count: int = 0  # open: the cell's arrivals in all slots together
+    users: int = 1  # closed: concurrent users in this process
+    slot: int = 0  # open: this process's slot of `slots`
+    slots: int = 1
+    start_wall_ns: int = 0  # open: schedule time 0; burst: the instant; set at dispatch
+    burst_id: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["cell"] = self.cell.model_dump(by_alias=True)
+        data["mix"] = self.mix.model_dump(by_alias=True)
+        return data
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Share:
+        return cls(
+            **{
+                **data,
+                "cell": Cell.model_validate(data["cell"]),
+                "mix": Mix.model_validate(data["mix"]),
+            }
+        )
+
+    def indexes(self) -> range:
+        """The request indexes this share sends (an open-loop share: all of the cell's)."""
+        return range(self.first_k, self.first_k + self.count)
+
+
+def _spread(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` whole numbers differing by at most one, larger first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+Step = list[Share | None]  # one share per process, None for a process idle in the step
+
+
+def split(cell: Cell, mix: Mix, reps: int, seed: int, processes: int) -> list[Step]:
+    """The cell as steps run one after the other; each step has one share per process
+    that takes part (indexed by process, `None` for a process idle in that step)."""
+    if processes < 1:
+        raise ValueError("a cell needs at least one process")
+    base = Share(cell=cell, mix=mix, seed=seed)
+    if cell.kind in ("single", "boundary"):
+        # one request at a time: one process (the first) sends them all
+        alone: Step = [None] * processes
+        alone[0] = dataclasses.replace(base, count=reps)
+        return [alone]
+    if cell.kind == "open":
+        slots: Step = [
+            dataclasses.replace(base, count=reps, slot=i, slots=processes) for i in range(processes)
+        ]
+        return [slots]
+    if cell.kind == "closed":
+        users = _spread(cell.concurrency, processes)
+        counts = [0] * processes
+        for k in range(reps):  # repetitions in proportion to the users (round robin)
+            counts[_owner(k, users)] += 1
+        step: Step = []
+        first = 0
+        for u, n in zip(users, counts, strict=True):
+            step.append(dataclasses.replace(base, first_k=first, count=n, users=u) if u else None)
+            first += n
+        return [step]
+    # burst: one step per round, the round's requests spread over the processes
+    steps = []
+    for r in range(cell.rounds):
+        first = r * cell.size
+        step = []
+        for n in _spread(cell.size, processes):
+            step.append(dataclasses.replace(base, first_k=first, count=n) if n else None)
+            first += n
+        steps.append(step)
+    return steps
+
+
+def _owner(k: int, users: list[int]) -> int:
+    """The process whose turn request k is, process i having users[i] of the users."""
+    seat = k % sum(users)
+    for i, u in enumerate(itertools.accumulate(users)):
+        if seat < u:
+            return i
+    raise AssertionError("unreachable")
+
+
+def wall_to_mono(wall_ns: int) -> int:
+    """A wall-clock instant of this process's clock on its monotonic clock (a Locust
+    worker has already moved the master's instant onto its own wall clock)."""
+    clock = SystemClock()
+    return clock.mono_ns() + (wall_ns - clock.wall_ns())
+
+
+class CellRunner:
+    """Sends shares through one Session; prompts come from `prompt(tokens, sample)`."""
+
+    def __init__(self, session: Session, prompt: Callable[[int, int], Prompt]) -> None:
+        self.session = session
+        self.prompt = prompt
+
+    def prepare(self, share: Share) -> None:
+        """Build every prompt the share will use before its first request: a /tokenize
+        round trip inside the schedule would make the arrivals after it late."""
+        chooser = share.mix.chooser(share.seed)
+        if share.cell.kind == "open":
+            for entry in share.mix.entries:
+                for sample in range(min(entry.samples, share.count)):
+                    self.prompt(entry.prompt_tokens, sample)
+            return
+        for k in share.indexes():
+            entry, sample = chooser.entry_for(k)
+            self.prompt(entry.prompt_tokens, sample)
+
+    def run(self, share: Share) -> int:
+        """Send the share (in this greenlet; blocks until its requests have ended).
+        Call `prepare(share)` first: building a prompt inside the schedule is late."""
+        chooser = share.mix.chooser(share.seed)
+        kind = share.cell.kind
+        if kind in ("single", "boundary"):
+            for k in share.indexes():
+                self.session.send(self.spec(share, chooser, k, concurrency=1, arrival="single"))
+            return share.count
+        if kind == "closed":
+            return self._closed(share, chooser)
+        if kind == "open":
+            return self._open(share, chooser)
+        return self._burst(share, chooser)
+
+    def spec(self, share: Share, chooser: MixChooser, k: int, **kw: Any) -> RequestSpec:
+        cell = share.cell
+        entry, sample = chooser.entry_for(k)
+        return RequestSpec(
+            prompt=self.prompt(entry.prompt_tokens, sample),
+            max_tokens=entry.max_tokens,
+            stream=cell.stream and entry.stream,
+            temperature=cell.temperature,
+            seed=share.seed if cell.temperature > 0 else None,
+            cell=cell.name,
+            **kw,
+        )
+
+    def _closed(self, share: Share, chooser: MixChooser) -> int:
+        keys = iter(share.indexes())  # shared: each user takes the next request when free
+        label = share.cell.concurrency
+
+        def user() -> None:
+            for k in keys:
+                self.session.send(self.spec(share, chooser, k, concurrency=label, arrival="closed"))
+
+        gevent.joinall([gevent.spawn(user) for _ in range(share.users)])
+        return share.count
+
+    def _open(self, share: Share, chooser: MixChooser) -> int:
+        cell = share.cell
+        clock = RateClock(cell.rate, share.slots)
+        sched = Schedule(cell.arrival, share.seed, clock, burstiness=cell.burstiness)
+        pool = gevent.pool.Pool(max(cell.max_in_flight // share.slots, 1))
+        origin = wall_to_mono(share.start_wall_ns)
+        sent = 0
+        while (nxt := sched.next_for(share.slot)) is not None:
+            k, unit = nxt
+            t = clock.time_of(unit)
+            if k >= share.count or t is None:
+                break
+            due = origin + t
+            spec = self.spec(
+                share, chooser, k, arrival=cell.arrival, intended_start_ns=due,
+                late_after_ms=LATE_AFTER_MS,
+            )  # fmt: skip
+            sleep_until(due)
+            if pool.full():
+                self.session.record_dropped(spec, f"in-flight cap {pool.size} full")
+            else:
+                pool.spawn(self.session.send, spec)
+            sent += 1
+        pool.join()
+        return sent
+
+    def _burst(self, share: Share, chooser: MixChooser) -> int:
+        cell = share.cell
+        self.session.pool.prewarm(share.count)
+        due = wall_to_mono(share.start_wall_ns)
+        specs = [
+            self.spec(
+                share, chooser, k, arrival="burst", burst_id=share.burst_id,
+                intended_start_ns=due, concurrency=cell.size,
+            )
+            for k in share.indexes()
+        ]  # fmt: skip
+        sleep_until(due)
+        gevent.joinall([gevent.spawn(self.session.send, s) for s in specs])
+        return len(specs)

@@ -1,0 +1,114 @@
+"""Every command and Python name the README and docs show still exists.
+
+Commands: each `calculet-load SUBCOMMAND`, `calculet-sim` and `locust -f LOCUSTFILE`
+found in a fenced shell block answers `--help` with exit 0. Names: each dotted
+`calculet_load.…` / `analysis.…` name written in backticks imports (a module) or is an
+attribute of the module before it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+COMMAND = re.compile(  # a command at the start of a line of a shell block
+    r"^\s*(?:\$ )?(?:\.venv/bin/)?(calculet-load|calculet-sim|locust)\b"
+    r"((?: +-f +\S+)|(?: +[a-z][a-z-]*))?",
+    re.M,
+)
+NAME = re.compile(r"`((?:calculet_load|analysis)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`")
+
+
+def _blocks(text: str) -> list[str]:
+    """The fenced code blocks of a Markdown text (fences opened and closed in turn)."""
+    blocks, current = [], None
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            if current is None:
+                current = []
+            else:
+                blocks.append("\n".join(current))
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def _commands() -> list[tuple[str, ...]]:
+    found: set[tuple[str, ...]] = set()
+    for doc in DOCS:
+        for block in _blocks(doc.read_text()):
+            for prog, rest in COMMAND.findall(block):
+                rest = rest.strip()
+                if prog == "calculet-load" and rest and not rest.startswith("-"):
+                    found.add((prog, rest))
+                elif prog == "locust" and rest.startswith("-f"):
+                    found.add((prog, "-f", rest.split()[1].split(",")[0]))
+                elif prog == "calculet-sim":
+                    found.add((prog,))
+    return sorted(found)
+
+
+def _names() -> list[str]:
+    return sorted({n for doc in DOCS for n in NAME.findall(doc.read_text())})
+
+
+@pytest.mark.parametrize("command", _commands(), ids=" ".join)
+def test_documented_command_answers_help(command: tuple[str, ...]) -> None:
+    exe = {"calculet-load": "calculet_load.cli", "calculet-sim": "calculet_sim.cli",
+           "locust": "locust"}[command[0]]  # fmt: skip
+    args = [sys.executable, "-m", exe, *command[1:], "--help"]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout.lower()
+
+
+def test_the_docs_show_the_main_commands() -> None:
+    shown = {c[1] for c in _commands() if c[0] == "calculet-load"}
+    assert {"accept", "analyze", "probe", "export", "schema"} <= shown
+    assert ("locust", "-f", "locustfiles/calculet.py") in _commands()
+
+
+@pytest.mark.parametrize("name", _names())
+def test_documented_python_name_exists(name: str) -> None:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            assert hasattr(obj, attr), f"{name}: {'.'.join(parts[:i])} has no {attr!r}"
+            obj = getattr(obj, attr)
+        return
+    pytest.fail(f"{name}: no such module")
+
+
+def _every_subcommand() -> list[str]:
+    from calculet_load.cli import COMMANDS
+
+    return sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("sub", _every_subcommand())
+def test_every_subcommand_answers_help(sub: str) -> None:
+    args = [sys.executable, "-m", "calculet_load.cli", sub, "--help"]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"calculet-load {sub}" in done.stdout
+
+
+def test_the_locustfiles_load() -> None:
+    """`--list` loads the locustfiles (`--help` would not) and names their users."""
+    args = [sys.executable, "-m", "locust", "-f", "locustfiles/calculet.py,locustfiles/stages.py",
+            "--list"]  # fmt: skip
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CalculetUser" in done.stdout
