@@ -245,6 +245,7 @@ class _Run:
         self.done = False
         self.body = bytearray()
         self.t: dict[str, int | None] = {k: None for k in ("t3", "t4", "t5")}
+        self.jump: str | None = None  # the first count that rose with no text to show
 
     def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
         """Feed stream bytes that arrived at t; True when the client should stop now."""
@@ -282,8 +283,8 @@ class _Run:
             self.t["t3"] = t
         if info.nonfinite:
             out.nonfinite = True
-        if info.count_anomaly is not None and out.count_anomaly is None:
-            out.count_anomaly = f"event {index}: {info.count_anomaly}"
+        if info.count_anomaly is not None and self.jump is None:
+            self.jump = f"event {index}: {info.count_anomaly}"
         if info.text:
             # surrogatepass: a JSON escape such as "\ud800" decodes to a lone surrogate,
             # which plain .encode() refuses (it would raise out of execute).
@@ -405,6 +406,11 @@ def execute(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
+    if run.jump is not None and out.ok:
+        # Only a complete response: a stream cut by an error may end with tokens whose
+        # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds
+        # them back until the character completes, and it never did).
+        out.count_anomaly = run.jump
     if max_tokens is not None and out.count_anomaly is None:
         top = max(out.output_tokens, out.server_total or 0)
         if top > max_tokens + output_slack_tokens:
