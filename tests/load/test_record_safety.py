@@ -114,6 +114,13 @@ def sim(tmp_path: Path) -> Iterator[SimProcess]:
         s.stop()
 
 
+def _local_run(tmp_path: Path, url: str, *, users: int, seconds: int) -> LocustRun:
+    """A one-process headless run of short llama.cpp requests (16-token prompts, 4 out)."""
+    args = ["-u", str(users), "-r", str(users), "--protocol", "llama"]
+    args += ["--prompt-tokens", "16", "--max-tokens", "4"]
+    return LocustRun(tmp_path, url, args, workers=0, run_time_s=seconds)
+
+
 def _analyze(run_dir: Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "calculet_load.cli", "analyze", str(run_dir)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -123,24 +130,7 @@ def test_one_out_of_range_counter_among_hundreds_costs_only_its_own_record(
     tmp_path: Path, sim: SimProcess
 ) -> None:
     with RewritingProxy(sim.url, POISONED_REQUEST, HUGE) as proxy:
-        run = LocustRun(
-            tmp_path,
-            proxy.url,
-            [
-                "-u",
-                "4",
-                "-r",
-                "4",
-                "--protocol",
-                "llama",
-                "--prompt-tokens",
-                "16",
-                "--max-tokens",
-                "4",
-            ],
-            workers=0,
-            run_time_s=6,
-        ).start()
+        run = _local_run(tmp_path, proxy.url, users=4, seconds=6).start()
         run.wait(90)
         completions = proxy.completions
     assert proxy.rewritten is not None, run.log_text()
@@ -173,24 +163,7 @@ def test_a_record_the_sink_cannot_write_makes_the_run_incomplete_and_loud(
     tmp_path: Path, sim: SimProcess
 ) -> None:
     locustfile = str(Path(__file__).parent / "data" / "poison_locustfile.py")
-    run = LocustRun(
-        tmp_path,
-        sim.url,
-        [
-            "-u",
-            "2",
-            "-r",
-            "2",
-            "--protocol",
-            "llama",
-            "--prompt-tokens",
-            "16",
-            "--max-tokens",
-            "4",
-        ],
-        workers=0,
-        run_time_s=4,
-    )
+    run = _local_run(tmp_path, sim.url, users=2, seconds=4)
     run.locustfile = locustfile
     run.start()
     code = run.wait(90)
