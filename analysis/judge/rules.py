@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 RULES_SCHEMA = "calculet-acceptance-rules/v1"
-DEFAULT_RULES = Path(__file__).resolve().parents[1] / "configs" / "acceptance" / "default.yaml"
+DEFAULT_RULES = Path(__file__).resolve().parents[2] / "configs" / "acceptance" / "default.yaml"
 
 _STAT = re.compile(r"mean|p(\d+(?:\.\d+)?)")
 

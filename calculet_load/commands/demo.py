@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _SIGNING_ENV = ("CALCULET_SIGNING_KEY", "CALCULET_SIGNING_KEY_FILE")  # analysis.sign reads
 BROKEN = {
     "nan": ["--set", "knobs.nan_probability=0.05"],

@@ -65,7 +65,7 @@ from calculet_load.workload.dispatch import CellRunner, FleetError, Share
 
 log = logging.getLogger("calculet_load")
 
-LOCUSTFILE = Path(__file__).resolve().parents[1] / "locustfiles" / "calculet.py"
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "locustfiles" / "calculet.py"
 MISSING_GRACE_S = 30.0  # a worker silent this long during a step is lost (exit 3)
 
 

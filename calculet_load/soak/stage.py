@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from calculet_load.configfile import validate
 
 SOAK_SCHEMA = "calculet-soak-stage/v1"
-STAGE_DIR = Path(__file__).resolve().parents[1] / "configs" / "soak"
+STAGE_DIR = Path(__file__).resolve().parents[2] / "configs" / "soak"
 
 
 class _M(BaseModel):

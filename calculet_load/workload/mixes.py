@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from calculet_load.configfile import read_yaml, validate
 
 MIX_SCHEMA = "calculet-mix/v1"
-MIX_DIR = Path(__file__).resolve().parent.parent / "configs" / "mixes"
+MIX_DIR = Path(__file__).resolve().parents[2] / "configs" / "mixes"
 
 
 class MixError(ValueError):
