@@ -515,7 +515,9 @@ class Pipeline:
             "run_id": self.manifest.run_id,
             "seed": self.o.seed,
             "attempts": 1,
-            "options": {k: v for k, v in vars(self.o).items() if k != "admin_token"},
+            "options": {
+                k: v for k, v in vars(self.o).items() if k not in ("admin_token", "analysis")
+            },
             "below_minimum_repetitions": self.o.min_repetitions is not None,
             "cells": cells,
             "excluded": [],
