@@ -158,6 +158,7 @@ PIPELINE_API = {
         "LEAK_SERIES",
         "leak_results",
         "leak_section",
+        "leak_segments",
         "resource_series",
     ],
     "tables.summary": ["SUMMARY_SCHEMA", "summary_table"],
