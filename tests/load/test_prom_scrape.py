@@ -289,6 +289,6 @@ def test_the_docs_list_exactly_the_series_and_options() -> None:
         "--server-pid",
     }
     plugin = (
-        Path(__file__).resolve().parents[2] / "calculet_load" / "locust_plugin.py"
+        Path(__file__).resolve().parents[2] / "calculet_load" / "locust" / "plugin.py"
     ).read_text()
     assert all(f'"{o}"' in plugin for o in options)
