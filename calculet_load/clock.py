@@ -284,3 +284,12 @@ def clock_provenance() -> dict[str, object]:
             "uncertainty_ns": anchor.uncertainty_ns,
         },
     }
+
+
+def wall_iso(wall_ns: int | None) -> str | None:
+    """A wall time in ns as ISO 8601 UTC to the millisecond (for artifacts people read;
+    never for durations). None stays None."""
+    if wall_ns is None:
+        return None
+    t = wall_ns / 1e9
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"

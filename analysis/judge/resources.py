@@ -25,8 +25,6 @@ held must be 0.
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,8 @@ from analysis.judge.rules import LEAK_SERIES, LeakRule, load_rules
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.trend import LEAK_METHOD, LeakResult, LeakStatus, detect_leak
 from analysis.tables.load import RunData
+from analysis.tables.runfiles import RunFiles
+from calculet_load.clock import wall_iso
 
 __all__ = [
     "HANDLERS",
@@ -283,7 +283,7 @@ def leak_segments(
     rule = next((r for r in rules.rules if r.kind == "leaks" and r.enabled), None)
     if rule is None:
         return []
-    rows = _read_jsonl(run_dir / "server" / "resources.jsonl")
+    rows = RunFiles(str(run_dir)).read_jsonl("server/resources.jsonl") or []
     starts = [int(a["started_wall_ns"]) for a in attempts] + [2**63]
     out = []
     for i, a in enumerate(attempts):
@@ -293,8 +293,8 @@ def leak_segments(
         t_s, series, _ = resource_series(pa.Table.from_pylist(seg))
         entry: dict[str, Any] = {
             "worker": a["worker"],
-            "from": _iso(int(seg[0]["wall_ns"])),
-            "to": _iso(int(seg[-1]["wall_ns"])),
+            "from": wall_iso(int(seg[0]["wall_ns"])),
+            "to": wall_iso(int(seg[-1]["wall_ns"])),
             "samples": len(seg),
             "span_server_s": round(float(t_s[-1]), 1) if len(t_s) else 0.0,
             "series": [],
@@ -313,25 +313,3 @@ def leak_segments(
             )  # fmt: skip
         out.append(entry)
     return out
-
-
-def _iso(wall_ns: int) -> str:
-    t = wall_ns / 1e9
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON object rows of a JSONL file (none when missing; a bad line is skipped)."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows

@@ -236,9 +236,9 @@ def _token_columns() -> pa.Schema:
     )
 
 
-def _check_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) -> None:
+def _check_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) -> set[str]:
     """Refuse a part whose footer is unreadable, whose schema is newer, or that lacks a
-    column of `schema`."""
+    column of `schema`; the part's column names."""
     try:
         found = pq.read_schema(path, filesystem=fs)
     except (OSError, pa.ArrowException) as exc:
@@ -250,17 +250,25 @@ def _check_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) ->
     missing = [n for n in schema.names if n not in found.names and n not in _ADDED.get(name, ())]
     if missing:
         raise ArtifactError(f"{path}: column {missing[0]!r} missing from a {name} part")
+    return set(found.names)
 
 
-def _read_part(fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema) -> pa.Table:
-    """The part's columns of `schema`; a dictionary-typed column of it is read as
-    dictionary-encoded from the Parquet pages, never materialized as strings."""
+def _read_part(
+    fs: pafs.FileSystem, path: str, name: str, schema: pa.Schema, present: set[str] | None = None
+) -> pa.Table:
+    """The part's columns of `schema` (`present`: its column names, when `_check_part` read
+    them; needed only where columns were added since v1); a dictionary-typed column is read
+    as dictionary-encoded from the Parquet pages, never materialized as strings."""
     encoded = [f.name for f in schema if pa.types.is_dictionary(f.type)]
+    columns = schema.names
     try:
-        present = set(pq.read_schema(path, filesystem=fs).names)
+        if _ADDED.get(name):
+            if present is None:
+                present = set(pq.read_schema(path, filesystem=fs).names)
+            columns = [n for n in schema.names if n in present]
         t = pq.read_table(
             path,
-            columns=[n for n in schema.names if n in present],
+            columns=columns,
             filesystem=fs,
             read_dictionary=encoded or None,
         )
@@ -293,8 +301,8 @@ def _read_parts(fs: pafs.FileSystem, paths: list[str], name: str, schema: pa.Sch
     """The parts as one table of `schema`."""
     tables = []
     for path in paths:
-        _check_part(fs, path, name, schema)
-        tables.append(_read_part(fs, path, name, schema))
+        present = _check_part(fs, path, name, schema)
+        tables.append(_read_part(fs, path, name, schema, present))
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)

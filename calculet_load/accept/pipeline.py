@@ -57,6 +57,8 @@ from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.measure.sink import PartSink, sink_status
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
+from calculet_load.schema.prometheus import chip_gauges, device_sample
+from calculet_load.target.api import off_loop
 from calculet_load.target.netprobe import RttRounds
 from calculet_load.workload.dispatch import (
     BURST_GAP_S,
@@ -176,7 +178,7 @@ class Pipeline:
         req = urllib.request.Request(self.url + path)
         if admin and self.o.admin_token:
             req.add_header("Authorization", f"Bearer {self.o.admin_token}")
-        return json.loads(_off_loop(lambda: _read_url(req)))
+        return json.loads(off_loop(lambda: _read_url(req)))
 
     def _save_plan(self) -> None:
         tmp = self.run_dir / "plan.json.tmp"
@@ -228,7 +230,7 @@ class Pipeline:
         self.prompts: dict[tuple[int, int], Prompt] = {}
         tokenize = http_tokenizer(self.url)
         self.factory = PromptFactory(
-            lambda body: _off_loop(lambda: tokenize(body)),
+            lambda body: off_loop(lambda: tokenize(body)),
             mode="chat" if self.protocol == "openai-chat" else "ids",
         )
         return resumed
@@ -395,7 +397,7 @@ class Pipeline:
         stable = False
         while time.monotonic() - started < self.o.idle_timeout_s:
             try:
-                sample = _device_sample(_get_bytes(f"{self.url}/metrics").decode())
+                sample = device_sample(_get_bytes(f"{self.url}/metrics").decode())
             except (OSError, ValueError) as exc:
                 self.notes.append(f"idle: no device telemetry from /metrics ({exc}); skipped")
                 self.log.write("idle", "end", stable=None, reason=str(exc))
@@ -424,7 +426,7 @@ class Pipeline:
         round): hottest chip, total power, lowest frequency, throttled chips; None when
         the target has no chip gauges."""
         try:
-            v = _chip_gauges(_get_bytes(f"{self.url}/metrics").decode())
+            v = chip_gauges(_get_bytes(f"{self.url}/metrics").decode())
         except (OSError, ValueError):
             return None
         if not v["temperature_c"]:
@@ -776,28 +778,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _chip_gauges(text: str) -> dict[str, list[float]]:
-    """The §10.3 chip gauges of Prometheus text, each a list over the chips."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    keys = ("temperature_c", "power_w", "frequency_mhz", "throttled")
-    values: dict[str, list[float]] = {k: [] for k in keys}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name.removeprefix("calculet_chip_")
-            if key in values:
-                values[key].append(float(sample.value))
-    return values
-
-
-def _device_sample(text: str) -> tuple[float, float, float] | None:
-    """(hottest chip C, total power W, lowest frequency MHz) from Prometheus text."""
-    values = _chip_gauges(text)
-    if not (values["temperature_c"] and values["power_w"] and values["frequency_mhz"]):
-        return None
-    return max(values["temperature_c"]), sum(values["power_w"]), min(values["frequency_mhz"])
-
-
 def _sha256_file(path: str) -> str:
     h = hashlib.sha256()
     try:
@@ -814,14 +794,8 @@ def _read_url(req: urllib.request.Request | str) -> bytes:
         return bytes(resp.read())
 
 
-def _off_loop(fn: Any) -> Any:
-    """Run a blocking call in gevent's thread pool: the loop (and the self-watch, which
-    would otherwise see a stalled client) keeps running meanwhile."""
-    return gevent.get_hub().threadpool.apply(fn)
-
-
 def _get_bytes(url: str) -> bytes:
-    return bytes(_off_loop(lambda: _read_url(url)))
+    return bytes(off_loop(lambda: _read_url(url)))
 
 
 # ------------------------------------------------------------------ CLI

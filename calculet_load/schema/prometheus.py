@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLOAT_FIELDS", "METRIC_NAMES", "parse_metrics", "resource_fields"]
+__all__ = [
+    "FLOAT_FIELDS",
+    "METRIC_NAMES",
+    "chip_gauges",
+    "device_sample",
+    "parse_metrics",
+    "resource_fields",
+]
 
 # ResourceRow field -> Prometheus series (first present wins; chip series are summed).
 METRIC_NAMES: dict[str, tuple[str, ...]] = {
@@ -57,3 +64,25 @@ def resource_fields(metrics: dict[str, float]) -> dict[str, Any]:
         if found is not None:
             values[field] = found if field in FLOAT_FIELDS else int(found)
     return values
+
+
+def chip_gauges(text: str) -> dict[str, list[float]]:
+    """The §10.3 chip gauges of Prometheus text, each a list over the chips."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keys = ("temperature_c", "power_w", "frequency_mhz", "throttled")
+    values: dict[str, list[float]] = {k: [] for k in keys}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name.removeprefix("calculet_chip_")
+            if key in values:
+                values[key].append(float(sample.value))
+    return values
+
+
+def device_sample(text: str) -> tuple[float, float, float] | None:
+    """(hottest chip C, total power W, lowest frequency MHz) from Prometheus text."""
+    values = chip_gauges(text)
+    if not (values["temperature_c"] and values["power_w"] and values["frequency_mhz"]):
+        return None
+    return max(values["temperature_c"]), sum(values["power_w"]), min(values["frequency_mhz"])

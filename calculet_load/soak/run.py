@@ -62,6 +62,7 @@ import gevent
 import gevent.pool
 import psutil
 
+from calculet_load.clock import wall_iso
 from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import Timeouts, run_in_greenlet
@@ -89,7 +90,7 @@ from calculet_load.soak.stage import (
     load_stage,
     stage_json_schema,
 )
-from calculet_load.soak.state import STATE_FILE, TRACE_KINDS, JsonLines, iso
+from calculet_load.soak.state import STATE_FILE, TRACE_KINDS, JsonLines
 from calculet_load.target.api import TargetAPI, off_loop, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.matrix import MatrixError, load_golden
@@ -371,7 +372,7 @@ class Soak:
             now = time.time_ns()
             self.state["planned_start_wall_ns"] = now
             self.state["planned_end_wall_ns"] = now + int(duration_real * 1e9)
-            self.plan["planned_end"] = iso(self.state["planned_end_wall_ns"])
+            self.plan["planned_end"] = wall_iso(self.state["planned_end_wall_ns"])
         self.state["status"] = "running"
         self._save_state()
         # the stage's clock is the wall clock: a resumed attempt runs to the planned end

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from calculet_load.clock import wall_iso
 from calculet_load.measure.sink import sink_status
 from calculet_load.soak.stage import StageError
 
@@ -38,13 +39,6 @@ class JsonLines:
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row, separators=(",", ":"), default=str) + "\n")
-
-
-def iso(wall_ns: int | None) -> str | None:
-    if wall_ns is None:
-        return None
-    t = wall_ns / 1e9
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
 
 
 def _boot_id() -> str | None:
@@ -250,8 +244,8 @@ def gap(
         "start_wall_ns": start,
         "end_wall_ns": end,
         "resumed_wall_ns": resumed,
-        "start": iso(start),
-        "end": iso(end),
+        "start": wall_iso(start),
+        "end": wall_iso(end),
         "duration_s": round((end - start) / 1e9, 3),
         "duration_target_s": round((end - start) / 1e9 / scale, 3),
         "start_evidence": start_by,
