@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.judge.evidence import Context, Evidence, column_np, verdict_for
+from analysis.judge.evidence import Context, Evidence, column_np, not_evaluated, verdict_for
 from analysis.judge.rules import BatchRule
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.quantiles import quantile
@@ -468,12 +468,8 @@ def _batch_rule(rule: BatchRule, ctx: Context) -> list[RuleVerdict]:
     result = cached_batch(ctx, rule)
     if rule.max_tpot_p99_ms is None:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                None,
-                0,
                 "not configured: set max_tpot_p99_ms (the interactive SLA) in the batch rule",
                 suffix=suffix,
             )
@@ -482,13 +478,10 @@ def _batch_rule(rule: BatchRule, ctx: Context) -> list[RuleVerdict]:
     threshold = f"tpot_ms p99 ≤ {sla:g} at fill ≤ {rule.low_fill_ratio:g}"
     if result is None:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                threshold,
-                0,
                 "no data: no decode steps in server/steps.jsonl",
+                threshold=threshold,
                 suffix=suffix,
             )
         ]
@@ -501,14 +494,11 @@ def _batch_rule(rule: BatchRule, ctx: Context) -> list[RuleVerdict]:
     ]
     if not low:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                threshold,
-                0,
                 f"no data: no selected cell ran at fill ≤ {rule.low_fill_ratio:g} of "
                 f"B{result.compiled_batch}",
+                threshold=threshold,
                 suffix=suffix,
             )
         ]

@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from analysis.judge.evidence import Context, Evidence, column_np, sent_mask, verdict_for
+from analysis.judge.evidence import (
+    Context,
+    Evidence,
+    column_np,
+    not_evaluated,
+    sent_mask,
+    verdict_for,
+)
 from analysis.judge.rules import BoundaryPolicyRule
 from analysis.judge.verdict import RuleVerdict, Status
 
@@ -235,13 +242,10 @@ def _verdict(rule: BoundaryPolicyRule, c: BoundaryCell) -> RuleVerdict:
     expected = _expected(rule)
     suffix = f".{c.cell}"
     if c.records == 0:
-        return verdict_for(
+        return not_evaluated(
             rule,
-            Status.NOT_EVALUATED,
-            None,
-            expected,
-            0,
             f"no data: no sent request in boundary cell {c.cell}; rerun the cell",
+            threshold=expected,
             suffix=suffix,
         )
     seen = f"{c.followed} of {c.records} requests ({c.over_context} over the context) followed "
@@ -269,14 +273,11 @@ def _boundary_policy(rule: BoundaryPolicyRule, ctx: Context) -> list[RuleVerdict
     cells = cached_boundary(ctx, rule)
     if not cells:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                _expected(rule),
-                0,
                 f"no data: no boundary cell (name matching {rule.cells}) in this run; the "
                 "§6.1 matrix has them (configs/matrices/single.yaml)",
+                threshold=_expected(rule),
             )
         ]
     return [_verdict(rule, c) for c in cells]

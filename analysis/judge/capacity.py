@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.judge.evidence import Context, Evidence, column_np, verdict_for
+from analysis.judge.evidence import Context, Evidence, column_np, not_evaluated, verdict_for
 from analysis.judge.limits import limit_verdict
 from analysis.judge.rules import CapacityRule, CellSelector
 from analysis.judge.verdict import RuleVerdict, Status
@@ -374,7 +374,7 @@ def cached_capacity(ctx: Context, rule: CapacityRule | None) -> CapacityAnalysis
 def _not(
     rule: CapacityRule, suffix: str, why: str, threshold: Any = None, seen: Any = None
 ) -> RuleVerdict:
-    return verdict_for(rule, Status.NOT_EVALUATED, seen, threshold, 0, why, suffix=suffix)
+    return not_evaluated(rule, why, observed=seen, threshold=threshold, suffix=suffix)
 
 
 def _reject_rate(rule: CapacityRule, ctx: Context) -> RuleVerdict:
@@ -510,14 +510,11 @@ def _stable_max(
     got = result.stable_max_qps
     seen = "none" if got is None else f"{got:g}/s ({result.stable_cell})"
     if rule.min_stable_qps is None:
-        return verdict_for(
+        return not_evaluated(
             rule,
-            Status.NOT_EVALUATED,
-            got,
-            None,
-            0,
             f"not configured: set min_stable_qps (stable max QPS observed: {seen})",
-            details,
+            observed=got,
+            details=details,
             suffix=suffix,
         )
     target = rule.min_stable_qps

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.judge.evidence import Context, column_np, verdict_for
+from analysis.judge.evidence import Context, column_np, not_evaluated, verdict_for
 from analysis.judge.rules import (
     CellSelector,
     ImprovementSpec,
@@ -148,19 +148,16 @@ def _regression(rule: RegressionRule, ctx: Context) -> list[RuleVerdict]:
         f"{s.metric} {s.statistic} ≤ +{s.max_regression_pct:g}%" for s in rule.metrics
     )
     if ctx.baseline is None:
-        return [verdict_for(rule, Status.NOT_EVALUATED, None, threshold, 0, NO_BASELINE)]
+        return [not_evaluated(rule, NO_BASELINE, threshold=threshold)]
     comps, keys = _compare(
         ctx, rule.select, _regression_rules(rule.metrics, ctx.settings.confidence_level)
     )
     if not keys:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                threshold,
-                0,
                 f"no data: no measured cell matches {rule.select.describe()} on either side",
+                threshold=threshold,
             )
         ]
     return [_judge_comparisons(rule, ctx, comps, threshold)]
@@ -185,7 +182,7 @@ def _optimization(rule: OptimizationRule, ctx: Context) -> list[RuleVerdict]:
         f"{s.metric} {s.statistic} ≥ {s.min_improvement_pct:g}% better" for s in specs
     )
     if ctx.baseline is None:
-        return [verdict_for(rule, Status.NOT_EVALUATED, None, threshold, 0, NO_BASELINE)]
+        return [not_evaluated(rule, NO_BASELINE, threshold=threshold)]
     level = ctx.settings.confidence_level
     metric_rules = [
         MetricRule(s.metric, s.statistic, Thresholds(0.0, s.min_improvement_pct, level))
@@ -195,13 +192,10 @@ def _optimization(rule: OptimizationRule, ctx: Context) -> list[RuleVerdict]:
     out: list[RuleVerdict] = []
     if not keys:
         out.append(
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                threshold,
-                0,
                 f"no data: no measured cell matches the target {rule.target.describe()}",
+                threshold=threshold,
                 suffix=".target",
             )
         )
@@ -241,13 +235,10 @@ def _optimization(rule: OptimizationRule, ctx: Context) -> list[RuleVerdict]:
         nt, nt_keys = _compare(ctx, others, _regression_rules(rule.non_target_metrics, level))
         if not nt_keys:
             out.append(
-                verdict_for(
+                not_evaluated(
                     rule,
-                    Status.NOT_EVALUATED,
-                    None,
-                    nt_threshold,
-                    0,
                     "no data: no non-target cell",
+                    threshold=nt_threshold,
                     suffix=".non_target",
                 )
             )
@@ -259,18 +250,14 @@ def _optimization(rule: OptimizationRule, ctx: Context) -> list[RuleVerdict]:
 def _throughput_gain(rule: ThroughputGainRule, ctx: Context) -> list[RuleVerdict]:
     if rule.min_gain_pct is None:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                None,
-                0,
                 "not configured: set min_gain_pct (the explicit throughput target) in the rules",
             )
         ]
     threshold = f"≥ +{rule.min_gain_pct:g}% output tokens/s"
     if ctx.baseline is None:
-        return [verdict_for(rule, Status.NOT_EVALUATED, None, threshold, 0, NO_BASELINE)]
+        return [not_evaluated(rule, NO_BASELINE, threshold=threshold)]
     rows = []
     for s in ctx.candidate.summaries:
         if s.partition != "measured" or not rule.select.matches(s.key):
@@ -282,13 +269,10 @@ def _throughput_gain(rule: ThroughputGainRule, ctx: Context) -> list[RuleVerdict
         rows.append((s.key, b.steady_output_tokens_per_s, s.steady_output_tokens_per_s, gain))
     if not rows:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                threshold,
-                0,
                 f"no data: no cell matching {rule.select.describe()} has throughput on both sides",
+                threshold=threshold,
             )
         ]
     details = [

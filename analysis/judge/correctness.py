@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.judge.evidence import Context, column_np, sent_mask, verdict_for
+from analysis.judge.evidence import Context, column_np, not_evaluated, sent_mask, verdict_for
 from analysis.judge.rules import ErrorRateRule, GoldenRule, MaxCountRule
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.tables.cells import CellKey
@@ -53,14 +53,11 @@ def _golden(rule: GoldenRule, ctx: Context) -> list[RuleVerdict]:
     rows = _golden_rows(t, rule.cells)
     if rows.size == 0:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                rule.min_pass_rate,
-                0,
                 f"no data: no sent record in a cell matching {rule.cells}; run the golden set "
                 "before and after the matrix (spec §8)",
+                threshold=rule.min_pass_rate,
             )
         ]
     keys = _golden_key(t)[rows]
@@ -145,7 +142,7 @@ def _max_count(rule: MaxCountRule, ctx: Context) -> list[RuleVerdict]:
     flagged = column_np(t.column(column), False, bool) & sent
     n, count = int(np.count_nonzero(sent)), int(np.count_nonzero(flagged))
     if n == 0:
-        return [verdict_for(rule, Status.NOT_EVALUATED, None, rule.max_count, 0, "no data")]
+        return [not_evaluated(rule, "no data", threshold=rule.max_count)]
     ids = column_np(t.column("request_id"), "", object)[flagged][:20]
     details = [{"request_id": str(i)} for i in ids]
     seen = f"{count} of {n} {what}; allowed {rule.max_count}"
@@ -178,13 +175,10 @@ def _error_rate(rule: ErrorRateRule, ctx: Context) -> list[RuleVerdict]:
     rows = [(k, e, a) for k, (e, a) in per_cell.items() if a > 0]
     if not rows:
         return [
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                rule.max_error_rate,
-                0,
                 f"no data: no attempted request in cells matching {rule.select.describe()}",
+                threshold=rule.max_error_rate,
             )
         ]
     details = [

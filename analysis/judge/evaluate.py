@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from analysis.judge import batch, boundary, capacity, comparisons, correctness, limits, resources
-from analysis.judge.evidence import Context, verdict_for
+from analysis.judge.evidence import Context, not_evaluated
 from analysis.judge.infra import check_infrastructure
 from analysis.judge.rules import RULE_CLASS, RulesFile
-from analysis.judge.verdict import RuleVerdict, Status
+from analysis.judge.verdict import RuleVerdict
 
 __all__ = ["HANDLERS", "Context", "evaluate"]
 
@@ -34,16 +34,7 @@ def evaluate(rules: RulesFile, ctx: Context) -> list[RuleVerdict]:
         out += check_infrastructure(ctx.baseline, rules.infrastructure, prefix="baseline.")
     for rule in rules.rules:
         if not rule.enabled:
-            out.append(
-                verdict_for(
-                    rule,
-                    Status.NOT_EVALUATED,
-                    None,
-                    None,
-                    0,
-                    "disabled: enabled is false in the rules file",
-                )
-            )
+            out.append(not_evaluated(rule, "disabled: enabled is false in the rules file"))
             continue
         out += HANDLERS[rule.kind](rule, ctx)
     return out

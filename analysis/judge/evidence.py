@@ -19,7 +19,15 @@ from analysis.tables.cells import CellData, CellKey, CellSummary, summarize_cell
 from analysis.tables.load import RunData
 from analysis.tables.quality import Partition, QualityReport, apply_quality
 
-__all__ = ["Context", "Evidence", "build_evidence", "column_np", "sent_mask", "verdict_for"]
+__all__ = [
+    "Context",
+    "Evidence",
+    "build_evidence",
+    "column_np",
+    "not_evaluated",
+    "sent_mask",
+    "verdict_for",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +141,24 @@ def verdict_for(
         n=n,
         reason=reason,
         details=tuple(details),
+    )
+
+
+def not_evaluated(
+    rule: Any,
+    reason: str,
+    *,
+    observed: Any = None,
+    threshold: Any = None,
+    n: int = 0,
+    details: Sequence[dict[str, Any]] = (),
+    suffix: str = "",
+) -> RuleVerdict:
+    """The one constructor of a `not_evaluated` verdict: disabled, not configured
+    ("not configured: set <field> ..."), no data, or (issue 17) not available on the
+    target. The reason says which, and what to do next."""
+    return verdict_for(
+        rule, Status.NOT_EVALUATED, observed, threshold, n, reason, details, suffix=suffix
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.judge.evidence import Context, verdict_for
+from analysis.judge.evidence import Context, not_evaluated, verdict_for
 from analysis.judge.rules import CellSelector, DeviceLimitsRule, SloRule
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.quantiles import mean_ci, quantile, quantile_ci
@@ -71,13 +71,10 @@ def limit_verdict(
             status = Status.FAIL
         rows.append(_CellLimit(key.label, est, lo, hi, n, status))
     if not rows:
-        return verdict_for(
+        return not_evaluated(
             rule,
-            Status.NOT_EVALUATED,
-            None,
-            threshold,
-            0,
             f"no data: no {metric} in cells matching {select.describe()}",
+            threshold=threshold,
             suffix=suffix,
         )
     n_all = sum(r.n for r in rows)
@@ -125,13 +122,8 @@ def _num(x: float | None) -> str:
 def _slo(rule: SloRule, ctx: Context) -> list[RuleVerdict]:
     if rule.max_ms is None:
         return [
-            verdict_for(
-                rule,
-                Status.NOT_EVALUATED,
-                None,
-                None,
-                0,
-                "not configured: set max_ms (the interactive SLA) in the rules file",
+            not_evaluated(
+                rule, "not configured: set max_ms (the interactive SLA) in the rules file"
             )
         ]
     return [limit_verdict(rule, ctx, rule.select, rule.metric, rule.statistic, rule.max_ms)]
@@ -147,39 +139,29 @@ def _device_limits(rule: DeviceLimitsRule, ctx: Context) -> list[RuleVerdict]:
     ):
         if dev is None or rows == 0:
             out.append(
-                verdict_for(
+                not_evaluated(
                     rule,
-                    Status.NOT_EVALUATED,
-                    value,
-                    limit,
-                    0,
                     "no data: no server/device.jsonl",
+                    observed=value,
+                    threshold=limit,
                     suffix=suffix,
                 )
             )
         elif limit is None:
             seen = "no chip readable" if value is None else f"max {value:g} {unit}"
             out.append(
-                verdict_for(
+                not_evaluated(
                     rule,
-                    Status.NOT_EVALUATED,
-                    value,
-                    None,
-                    rows,
                     f"not configured: set {field} ({seen} observed)",
+                    observed=value,
+                    n=rows,
                     suffix=suffix,
                 )
             )
         elif value is None:
             out.append(
-                verdict_for(
-                    rule,
-                    Status.NOT_EVALUATED,
-                    None,
-                    limit,
-                    rows,
-                    "no data: no chip readable",
-                    suffix=suffix,
+                not_evaluated(
+                    rule, "no data: no chip readable", threshold=limit, n=rows, suffix=suffix
                 )
             )
         else:

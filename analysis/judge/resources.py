@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.judge.evidence import Context, verdict_for
+from analysis.judge.evidence import Context, not_evaluated, verdict_for
 from analysis.judge.rules import LEAK_SERIES, LeakRule, load_rules
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.trend import LEAK_METHOD, LeakResult, LeakStatus, detect_leak
@@ -179,14 +179,11 @@ def _series_verdict(rule: LeakRule, name: str, res: LeakResult | None) -> RuleVe
     threshold = f"{name} slope < {gate:g} {unit}/h (or not significant at {rule.alpha:g})"
     suffix = f".{name}"
     if res is None:
-        return verdict_for(
+        return not_evaluated(
             rule,
-            Status.NOT_EVALUATED,
-            None,
-            threshold,
-            0,
             f"no data: {name} not sampled (server/resources.jsonl: sample the server during "
             "the run, calculet_load.target.resources)",
+            threshold=threshold,
             suffix=suffix,
         )
     details = [dataclasses.asdict(res)]
@@ -230,13 +227,10 @@ def _leaks(rule: LeakRule, ctx: Context) -> list[RuleVerdict]:
     if idle is None or idle["idle_samples"] == 0:
         why = "no resource samples" if idle is None else "no sample taken while idle"
         out.append(
-            verdict_for(
+            not_evaluated(
                 rule,
-                Status.NOT_EVALUATED,
-                None,
-                threshold,
-                0,
                 f"no data: {why}; sample between cells and after the run",
+                threshold=threshold,
                 suffix=suffix,
             )
         )

@@ -127,6 +127,7 @@ PIPELINE_API = {
         "Evidence",
         "build_evidence",
         "column_np",
+        "not_evaluated",
         "sent_mask",
         "verdict_for",
     ],
