@@ -24,6 +24,14 @@ def off_loop(fn: Callable[[], T]) -> T:
     return result
 
 
+class HTTPStatusError(OSError):
+    """The target answered, with a status other than the one expected (`status`)."""
+
+    def __init__(self, path: str, status: int) -> None:
+        super().__init__(f"{path}: HTTP {status}")
+        self.status = status
+
+
 class TargetAPI:
     """The target's non-generation endpoints: `/admin/*` (with the bearer token),
     `/health`, `/metrics`, `/traces/{kind}?offset=N`."""
@@ -112,12 +120,14 @@ class TargetAPI:
                     return None
         return None
 
-    def trace_bytes(self, kind: str) -> bytes:
-        """The new complete lines of a trace since the last call (offsets kept per kind)."""
+    def trace_bytes(self, kind: str, timeout_s: float = 60.0) -> bytes:
+        """The new complete lines of a trace since the last call (offsets kept per kind).
+        An answer other than 200 raises `HTTPStatusError` (its `status`)."""
         offset = self.offsets.get(kind, 0)
-        status, raw, _ = self.call("GET", f"/traces/{kind}?offset={offset}", timeout_s=60)
+        path = f"/traces/{kind}?offset={offset}"
+        status, raw, _ = self.call("GET", path, timeout_s=timeout_s)
         if status != 200:
-            raise OSError(f"/traces/{kind}: HTTP {status}")
+            raise HTTPStatusError(f"/traces/{kind}", status)
         end = raw.rfind(b"\n") + 1  # a line still being written is read next time
         self.offsets[kind] = offset + end
         return raw[:end]
