@@ -1,5 +1,6 @@
 """The master (or single local process) side of a Locust run: the plan, its broadcasts
-(rate changes, bursts, the target user count), merged live stats and `client/index.json`.
+(rate changes, bursts, the target user count), merged live stats, the target's traces
+fetched at each stop (`server/`) and `client/index.json`.
 The wiring is calculet_load.locust.plugin; the workers' side is calculet_load.locust.worker.
 """
 
@@ -23,8 +24,10 @@ from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
 from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options
 from calculet_load.measure.sink import sink_status
-from calculet_load.schema.fs import resolve_fs
+from calculet_load.schema.fs import write_file
+from calculet_load.target.api import TargetAPI
 from calculet_load.target.scrape import ServerSampler, sampler_for_run
+from calculet_load.target.traces import TraceWindow, collect_traces
 
 log = logging.getLogger("calculet_load")
 
@@ -54,6 +57,8 @@ class Coordinator:
         self._sampler: ServerSampler | None = None  # issue 9
         # issue 15: each worker's wall-clock offset to this master (set up on a master)
         self.clock_sync: ClockSync | None = None
+        # issue 17: what fetch_traces did at this run's stop (the index's server_traces)
+        self.server_traces: dict[str, Any] | None = None
 
     @property
     def distributed(self) -> bool:
@@ -83,6 +88,7 @@ class Coordinator:
         self.bursts = []
         self.started_wall_ns = time.time_ns()
         self.ended_wall_ns = None
+        self.server_traces = None
         self.plan = Plan(
             run_id=run_id,
             run_dir=run_dir,
@@ -126,6 +132,59 @@ class Coordinator:
             self._sampler.stop()
             self._sampler = None
         self.ended_wall_ns = time.time_ns()
+
+    # --- the target's traces at stop (issue 17) -------------------------------------------
+    def fetch_traces(self) -> dict[str, Any]:
+        """Copy the target's traces of this run into `server/` (calculet_load.target.traces)
+        and keep what was done for the index. Never raises: a target without traces is
+        `not_available`, a failed fetch is logged loudly and recorded as `error`; the
+        client records are never touched."""
+        plan = self.plan
+        opts = options(self.env)
+        if plan is None:
+            raise ValueError("no run to fetch the traces of")
+        record: dict[str, Any]
+        if opts.no_server_traces:
+            record = {"status": "off", "reason": "--no-server-traces"}
+        elif not self.env.host:
+            record = {"status": "not_available", "reason": "no target host (-H)"}
+        else:
+            window = TraceWindow(plan.run_id, self.started_wall_ns, time.time_ns())
+            try:
+                record = collect_traces(
+                    TargetAPI(self.env.host),
+                    plan.run_dir,
+                    window=window,
+                    timeout_s=float(opts.trace_timeout),
+                )
+            except Exception as exc:  # the run's records stand whatever this did
+                log.exception("calculet run %s: fetching the target's traces failed", plan.run_id)
+                record = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+        self.server_traces = record
+        kinds = record.get("kinds") or {}
+        got = ", ".join(f"{k} {v['rows']} rows" for k, v in kinds.items() if "rows" in v)
+        if record["status"] == "error":
+            log.error(
+                "calculet run %s: the target's traces were NOT all fetched (%s)%s: "
+                "the analysis joins only what is in %s/server/",
+                plan.run_id,
+                record.get("reason"),
+                f"; fetched {got}" if got else "",
+                plan.run_dir,
+            )
+        elif record["status"] == "fetched":
+            log.info(
+                "calculet run %s: server traces: %s in %s/server/", plan.run_id, got, plan.run_dir
+            )
+        else:
+            log.warning(
+                "calculet run %s: no server traces (%s: %s); the records are analysed "
+                "without a server breakdown",
+                plan.run_id,
+                record["status"],
+                record.get("reason"),
+            )
+        return record
 
     # --- periodic work ----------------------------------------------------------------
     def _tick_loop(self) -> None:
@@ -281,6 +340,8 @@ class Coordinator:
             "workers": workers,
             "bursts": [{**b, **burst_spread(b["id"], self.reports.values())} for b in self.bursts],
         }
+        if self.server_traces is not None:
+            index["server_traces"] = self.server_traces
         _write_json(plan.run_dir, "client/index.json", index)
         return index
 
@@ -338,10 +399,4 @@ def _options_snapshot(opts: Any) -> dict[str, Any]:
 
 
 def _write_json(run_dir: str, rel: str, obj: Any) -> None:
-    fs, root = resolve_fs(run_dir)
-    path = f"{root.rstrip('/')}/{rel}"
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    tmp = path + ".tmp"
-    with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps(obj, indent=1, default=str).encode())
-    fs.move(tmp, path)
+    write_file(run_dir, rel, json.dumps(obj, indent=1, default=str).encode())

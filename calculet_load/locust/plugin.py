@@ -31,6 +31,10 @@ How a run is organised:
   connects, before each run and every `--clock-sync-every` s; workers move the
   master's wall instants (schedule origin, fire-at) onto their own clock with it. Each
   worker also measures RTT and jitter to the target (calculet_load.target.netprobe).
+* **Server traces**: when the run stops (each stop of a web-UI run), the master copies
+  the target's `/traces/{kind}` rows of this run into `server/` and records what it
+  got, or `not_available` and why, as `server_traces` in `client/index.json`
+  (calculet_load.target.traces).
 * **Records** go to the worker's own Parquet parts in the run folder; Locust's
   `request` event fires once per request (its cell, E2E, failure), and the token-level
   figures go to the LLM tab, CSV and HTML section (calculet_load.locust.llmstats, .locust_llm).
@@ -68,6 +72,7 @@ from calculet_load.locust.worker import (
 from calculet_load.measure.prompts import WorkloadError
 from calculet_load.measure.sink import sink_status
 from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.schema.profiles import PROFILE_NAMES
 from calculet_load.workload.arrivals import ArrivalError, load_replay, unit_gaps
 from calculet_load.workload.mixes import MixError
 
@@ -87,6 +92,19 @@ def _add_options(parser: Any) -> None:
 
     opt("--protocol", choices=PROTOCOLS, default="llama", help="target protocol")
     opt("--model", default="", help="model name sent to OpenAI-style targets")
+    opt(
+        "--target-profile",
+        choices=PROFILE_NAMES,
+        default="calculet",
+        help="what kind of server the target is: how prompts are sized (docs/targets.md)",
+    )
+    opt("--tokenizer", default="", help="a local tokenizer.json that sizes the prompts")
+    opt(
+        "--prompt-reuse",
+        action="store_true",
+        default=False,
+        help="send each prompt as built (cache studies); default: unique per request",
+    )
     opt(
         "--arrival",
         choices=ARRIVALS,
@@ -129,6 +147,21 @@ def _add_options(parser: Any) -> None:
         help="master: sample the target's /metrics and process into server/ every N s (0: off)",
     )
     opt("--server-metrics-url", default="", ui=False, help="default: TARGET/metrics")
+    # issue 17: the target's traces into server/ at each stop (calculet_load.target.traces)
+    opt(
+        "--no-server-traces",
+        action="store_true",
+        default=False,
+        ui=False,
+        help="do not fetch the target's /traces/{kind} into server/ when a run stops",
+    )
+    opt(
+        "--trace-timeout",
+        type=float,
+        default=60.0,
+        ui=False,
+        help="at stop: give up fetching the target's traces after N s",
+    )
     # issue 15: clocks across hosts, and RTT/jitter to the target (spec §5)
     opt(
         "--clock-sync-every",
@@ -317,6 +350,9 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
         expected = master.expected_workers()
         while time.monotonic() < deadline and not expected <= set(master.reports):
             gevent.sleep(0.2)
+    # every request has ended: the target's traces of the run into server/ (the analysis
+    # joins them); a target without traces, or a failed fetch, leaves the records as is
+    master.fetch_traces()
     index = master.write_index("complete")
     if index is not None and index["status"] != "complete":
         problems = [

@@ -9,7 +9,7 @@ import os
 
 import pyarrow.fs as pafs
 
-__all__ = ["resolve_fs"]
+__all__ = ["resolve_fs", "write_file"]
 
 
 def resolve_fs(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -18,3 +18,16 @@ def resolve_fs(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
     fs, path = pafs.FileSystem.from_uri(uri)
     return fs, path
+
+
+def write_file(run_dir: str, rel: str, data: bytes) -> str:
+    """Write `<run_dir>/<rel>` whole: a temporary file beside it, then a move, so a
+    reader never sees half a file. Returns the path inside the filesystem."""
+    fs, root = resolve_fs(run_dir)
+    path = f"{root.rstrip('/')}/{rel}"
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    tmp = path + ".tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)
+    return path
