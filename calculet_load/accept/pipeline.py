@@ -58,8 +58,9 @@ from calculet_load.measure.session import RequestSpec, RunContext, Session, gold
 from calculet_load.measure.sink import PartSink, sink_status
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.schema.prometheus import chip_gauges, device_sample
-from calculet_load.target.api import off_loop
+from calculet_load.target.api import TargetAPI, off_loop
 from calculet_load.target.netprobe import RttRounds
+from calculet_load.target.traces import collect_traces
 from calculet_load.workload.dispatch import (
     BURST_GAP_S,
     BURST_LEAD_S,
@@ -672,19 +673,11 @@ class Pipeline:
 
     def _collect_traces(self) -> None:
         self.log.write("traces", "start")
-        gevent.sleep(1.0)  # the target flushes its trace files periodically
-        out = self.run_dir / "server"
-        out.mkdir(exist_ok=True)
-        got: dict[str, Any] = {}
-        for kind in ("server_events", "steps", "device"):
-            try:
-                data = _get_bytes(f"{self.url}/traces/{kind}?offset=0")
-            except OSError as exc:
-                got[kind] = f"not available: {exc}"
-                continue
-            (out / f"{kind}.jsonl").write_bytes(data[: data.rfind(b"\n") + 1])
-            got[kind] = len(data)
-        self.log.write("traces", "end", files=got)
+        # every row the target holds (the join picks this run's requests out)
+        got = collect_traces(TargetAPI(self.url), str(self.run_dir))
+        self.log.write(
+            "traces", "end", fetched=got["status"], reason=got["reason"], files=got["kinds"]
+        )
 
     def _analyze(self) -> int:
         door = self.o.analysis
