@@ -20,9 +20,12 @@ class AnalysisDoor:
     """`analyze_run(run_dir, *, baseline=None, rules=None, quiet=False) -> exit code`;
     `write_report(run_dir, *, baseline=None) -> path`; `sign_run(run_dir) -> result`;
     `leak_segments(run_dir, rules_path, attempts) -> [segment]` (the leak rule on each
-    attempt's stretch of server/resources.jsonl)."""
+    attempt's stretch of server/resources.jsonl); `joined_records(run_dir) -> table`
+    (the request records as an Arrow table, joined with the server traces: server_ms,
+    runtime_ms and the quality flags filled where a record joined)."""
 
     analyze_run: Callable[..., int]
     write_report: Callable[..., str]
     sign_run: Callable[..., Any]
     leak_segments: Callable[[Path, str | None, list[dict[str, Any]]], list[dict[str, Any]]]
+    joined_records: Callable[[str], Any]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from calculet_load.doors import AnalysisDoor
 
 __all__ = ["analysis_door"]
@@ -19,4 +21,11 @@ def analysis_door() -> AnalysisDoor:
         write_report=write_report,
         sign_run=sign_run,
         leak_segments=leak_segments,
+        joined_records=_joined_records,
     )
+
+
+def _joined_records(run_dir: str) -> Any:
+    from analysis.tables.join import load_run
+
+    return load_run(run_dir).requests

@@ -77,15 +77,42 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--full", action="store_true", help="include the `ext` group (default: exactly §3)"
     )
+    p.add_argument(
+        "--no-join",
+        action="store_true",
+        help="the records as the client wrote them: no server_ms/runtime_ms from the traces",
+    )
 
 
 def export(args: argparse.Namespace) -> int:
-    from calculet_load.schema.runfolder import export_jsonl
+    """The run's request records as JSON lines, joined with the run's server traces (the
+    analysis's join, through the door): server_ms, runtime_ms, quality.server_trace_joined
+    and quality.throttled filled where a record joined; the others keep their nulls."""
+    from calculet_load.schema.runfolder import export_jsonl, part_files
 
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            n = export_jsonl(args.run_dir, f, strict=not args.full)
-        print(f"{n} records written to {args.out}", file=sys.stderr)
+    table = None
+    if not args.no_join and part_files(args.run_dir, "requests"):
+        from calculet_load.commands.door import analysis_door
+
+        try:
+            table = analysis_door().joined_records(args.run_dir)
+        except Exception as exc:  # the analysis's own errors: one line and its exit code
+            code = getattr(exc, "exit_code", None)
+            if code is None:
+                raise
+            print(f"calculet-load export: {exc}", file=sys.stderr)
+            return int(code)
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
+    try:
+        n = export_jsonl(args.run_dir, out, strict=not args.full, table=table)
+    finally:
+        if args.out:
+            out.close()
+    if table is None:
+        joined = "not joined" + (" (--no-join)" if args.no_join else "")
     else:
-        export_jsonl(args.run_dir, sys.stdout, strict=not args.full)
+        col = table.column("quality.server_trace_joined").to_pylist()
+        joined = f"{sum(1 for x in col if x)} of {n} joined to a server trace"
+    where = f" to {args.out}" if args.out else ""
+    print(f"{n} records written{where}; {joined}", file=sys.stderr)
     return 0

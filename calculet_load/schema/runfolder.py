@@ -83,10 +83,19 @@ def iter_jsonl(records: list[RequestRecord], *, strict: bool) -> Iterator[str]:
         yield json.dumps(record_to_dict(rec, strict=strict), ensure_ascii=False) + "\n"
 
 
-def export_jsonl(run_dir: str, out: IO[str], *, strict: bool = True) -> int:
-    """Write the run's request records as JSON lines (§3 shape when `strict`)."""
+def export_jsonl(
+    run_dir: str, out: IO[str], *, strict: bool = True, table: pa.Table | None = None
+) -> int:
+    """Write the run's request records as JSON lines (§3 shape when `strict`): the
+    records of `table` when given (the analysis's join of them with the server traces:
+    its columns beyond the record schema are left out), else as the parts hold them."""
+    if table is None:
+        records = read_records(run_dir)
+    else:
+        schema = request_schema()
+        records = list(records_from_table(table.select(schema.names).cast(schema)))
     n = 0
-    for line in iter_jsonl(read_records(run_dir), strict=strict):
+    for line in iter_jsonl(records, strict=strict):
         out.write(line)
         n += 1
     return n
