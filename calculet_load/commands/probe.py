@@ -20,6 +20,7 @@ from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import PromptFactory, WorkloadError, http_tokenizer
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink, SinkStats, sink_status
+from calculet_load.schema.access import AccessError, access_from, add_access_arguments
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.records import record_to_dict
 
@@ -32,11 +33,15 @@ _STAMPS = (
     ("t5", "last_token", "last generated token"),
     ("t6", "response_end", "response end"),
 )
-_UNREACHABLE = ("connect_refused", "connect_timeout")
+_UNREACHABLE = ("connect_refused", "connect_timeout", "tls_verify", "tls_handshake")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="target base URL (default: the manifest's target.url)")
+    p.add_argument(
+        "--url",
+        help="target URL, http(s)://HOST[:PORT][/BASE/PATH] (default: the manifest's target.url)",
+    )
+    add_access_arguments(p.add_argument)
     p.add_argument(
         "--protocol",
         choices=("llama", "openai-chat", "openai-completions"),
@@ -67,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
     if not url:
         print("probe: --url is required (or a manifest with target.url)", file=sys.stderr)
         return 2
+    try:
+        access = access_from(args, url, target)
+    except AccessError as exc:
+        print(f"probe: {exc}", file=sys.stderr)
+        return 2
+    if access.banner():
+        print(access.banner(), file=sys.stderr)
     protocol = args.protocol or (target.protocol if target else "llama")
     model = args.model or (target.model if target else None)
     stamp = time.strftime("%Y%m%dT%H%M%S")
@@ -81,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     timeouts = Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout)
     try:
         factory = PromptFactory(
-            http_tokenizer(url), mode="chat" if protocol == "openai-chat" else "ids"
+            http_tokenizer(access), mode="chat" if protocol == "openai-chat" else "ids"
         )
         prompt = factory.prompt(args.prompt_tokens, args.sample)
     except WorkloadError as exc:
@@ -91,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"probe: cannot reach {url} for /tokenize: {exc}", file=sys.stderr)
         return 3
     sink = PartSink(run_dir, "probe")
-    session = Session(ctx, url, protocol, model=model, timeouts=timeouts, sink=sink)
+    session = Session(ctx, access, protocol, model=model, timeouts=timeouts, sink=sink)
     spec = RequestSpec(
         prompt=prompt,
         max_tokens=args.max_tokens,

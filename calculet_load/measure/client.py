@@ -3,10 +3,14 @@
 
 Stamps are taken when bytes arrive: t1 when the request is fully written, t2/t3/t4/t5
 from the read that completed the headers or the event, t6 at the end of the message.
-Parsing happens after the stamp. Connections are kept alive in a pool sized to the
-in-flight cap; a request that would have to wait for a connection is refused at once
-(`PoolExhausted`) instead of silently queueing. Every failure becomes an error class in
-the outcome (see ERROR_CLASSES); nothing a server sends can crash the caller.
+Parsing happens after the stamp. Over TLS (gevent's cooperative ssl) a read's stamp is
+taken when the decrypted bytes return from it, and the plaintext the TLS layer already
+holds (`pending()`, and records already in the socket buffer) is read into the same read
+and stamp, as one plain read would take all the kernel holds. Connections are kept
+alive in a pool sized to the in-flight cap; a request that would have to wait for a
+connection is refused at once (`PoolExhausted`) instead of silently queueing. Every
+failure becomes an error class in the outcome (see ERROR_CLASSES); nothing a server
+sends can crash the caller.
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import select
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import urlsplit
 
 import gevent
 import gevent.socket as gsocket
+import gevent.ssl as gssl
 import h11
 
 from calculet_load.clock import Clock, SystemClock
@@ -33,6 +39,7 @@ from calculet_load.measure.protocols import (
     safe_text,
 )
 from calculet_load.measure.sse import SSELineTooLong, SSEParser
+from calculet_load.schema.access import TargetAccess, access_of
 from calculet_load.schema.records import ClientNs, TokenEvent
 
 # The error taxonomy: every failed request carries exactly one of these.
@@ -43,7 +50,11 @@ ERROR_CLASSES: dict[str, str] = {
     "first_byte_timeout": "no response byte within the first-byte timeout",
     "idle_timeout": "no bytes between events within the idle timeout",
     "total_timeout": "the request exceeded its total timeout (manifest timeout_s)",
-    "http_4xx": "the server answered 4xx",
+    "tls_verify": "the target's TLS certificate failed verification (CA, name or dates)",
+    "tls_handshake": "the TLS handshake failed (protocol, cipher, or the peer is not TLS)",
+    "auth": "the server answered 401 or 403 (a missing or wrong API key or header)",
+    "not_found": "the server answered 404 (a wrong path or base path)",
+    "http_4xx": "the server answered another 4xx",
     "http_5xx": "the server answered 5xx",
     "http_other": "the server answered with an unexpected non-2xx status",
     "server_error_event": "the stream carried an error event",
@@ -82,15 +93,23 @@ class Timeouts:
 
 
 class Endpoint:
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"target url: {url!r} must be http://HOST[:PORT]")
-        self.host = parts.hostname
-        self.port = parts.port or 80
-        self.authority = f"{parts.hostname}:{self.port}"
-        self.url = url
+    """Where requests go: a URL (http or https, with a base path) or a TargetAccess
+    (TLS settings, headers, API key); a ValueError when unusable."""
+
+    def __init__(self, target: str | TargetAccess) -> None:
+        self.access = access_of(target)
+        self.host = self.access.host
+        self.port = self.access.port
+        self.authority = self.access.authority
+        self.url = self.access.url
+        # gevent's context: its sockets wait cooperatively in the handshake and reads
+        self.tls = self.access.ssl_context(gssl.create_default_context)
+        self.headers = self.access.request_headers()
         self._addr: tuple[int, Any] | None = None
+
+    def path(self, path: str) -> str:
+        """A server path under the URL's base path (schema.access)."""
+        return self.access.path(path)
 
     def address(self) -> tuple[int, Any]:
         """(family, sockaddr), resolved once: a name lookup per connection would add
@@ -134,12 +153,15 @@ class ConnectionPool:
             sock = cast(socket.socket, gsocket.socket(family, socket.SOCK_STREAM))
             sock.settimeout(connect_timeout)
             sock.connect(sockaddr)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.endpoint.tls is not None:
+                # the handshake (and verification) within the connect timeout
+                sock = self.endpoint.tls.wrap_socket(sock, server_hostname=self.endpoint.host)
         except BaseException:
             self.open -= 1
             if sock is not None:
                 sock.close()
             raise
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
     def prewarm(self, n: int, connect_timeout: float = 10.0) -> int:
@@ -167,6 +189,16 @@ class ConnectionPool:
 
 def _alive(sock: socket.socket) -> bool:
     """An idle keep-alive connection is reusable if it has nothing to read (no EOF)."""
+    if isinstance(sock, ssl.SSLSocket):
+        # no MSG_PEEK through TLS: anything readable (a close_notify, EOF, stray bytes)
+        # means the connection is not reusable
+        if sock.pending():
+            return False
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
     # Timeout 0: gevent must not wait for readability here, it must answer at once.
     sock.settimeout(0.0)
     try:
@@ -196,6 +228,8 @@ class Outcome:
     error_code: str | None = None
     error_detail: str | None = None
     events: int = 0
+    event_reads: int = 0  # reads that delivered at least one event (coalescing)
+    max_events_per_read: int = 0
     token_events: list[TokenEvent] = dataclasses.field(default_factory=list)
     timings: dict[str, Any] | None = None
     connection_reused: bool | None = None
@@ -246,6 +280,8 @@ class _Run:
         self.body = bytearray()
         self.t: dict[str, int | None] = {k: None for k in ("t3", "t4", "t5")}
         self.jump: str | None = None  # the first count that rose with no text to show
+        self.read_t: int | None = None  # the stamp of the read the last event came in
+        self.in_read = 0  # events delivered by that read so far
 
     def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
         """Feed stream bytes that arrived at t; True when the client should stop now."""
@@ -279,6 +315,11 @@ class _Run:
         out = self.out
         index = out.events
         out.events += 1
+        if t != self.read_t:  # each read has its own stamp
+            self.read_t, self.in_read = t, 0
+            out.event_reads += 1
+        self.in_read += 1
+        out.max_events_per_read = max(out.max_events_per_read, self.in_read)
         if self.t["t3"] is None:
             self.t["t3"] = t
         if info.nonfinite:
@@ -336,7 +377,10 @@ def execute(
     out = Outcome(request_id)
     run = _Run(adapter, out, clock, stream, on_token)
     payload = json.dumps(body, separators=(",", ":")).encode()
-    headers = [
+    # the target's own headers (--header, the API key), then the call's, replace ours
+    extra = [*pool.endpoint.headers, *(extra_headers or {}).items()]
+    given = {name.lower() for name, _ in extra}
+    ours = [
         ("Host", pool.endpoint.authority),
         ("Content-Type", "application/json"),
         ("Accept", "text/event-stream" if stream else "application/json"),
@@ -345,10 +389,13 @@ def execute(
         # Bytes are stamped as they arrive and parsed as SSE: a compressed body would be
         # neither, so it is asked for in the clear (and refused if it comes otherwise).
         ("Accept-Encoding", "identity"),
-        *(extra_headers or {}).items(),
     ]
+    fixed = ("host", "content-length")
+    headers = [(n, v) for n, v in ours if n.lower() in fixed or n.lower() not in given]
+    headers += [(n, v) for n, v in extra if n.lower() not in fixed]
     conn = h11.Connection(h11.CLIENT)
-    wire = conn.send(h11.Request(method="POST", target=adapter.path, headers=headers))
+    target = pool.endpoint.path(adapter.path)
+    wire = conn.send(h11.Request(method="POST", target=target, headers=headers))
     wire += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
     anchor_wall = clock.wall_ns()
     t0 = clock.mono_ns()
@@ -365,6 +412,10 @@ def execute(
             raise _Fail("pool_exhausted", f"all {pool.max_connections} connections busy") from None
         except ConnectionRefusedError as exc:
             raise _Fail("connect_refused", str(exc)) from None
+        except ssl.SSLCertVerificationError as exc:
+            raise _Fail("tls_verify", exc.verify_message or str(exc)) from None
+        except ssl.SSLError as exc:
+            raise _Fail("tls_handshake", str(exc) or "TLS handshake failed") from None
         except (TimeoutError, gsocket.timeout) as exc:
             raise _Fail("connect_timeout", str(exc) or "connect timed out") from None
         except OSError as exc:
@@ -406,6 +457,17 @@ def execute(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
+    if (
+        out.ok
+        and out.count_source == "chunks"
+        and out.server_total is not None
+        and out.server_total > out.output_tokens
+    ):
+        # Without per-event usage a chunk is counted as one token, but a server may send
+        # several tokens in one chunk (llama.cpp holds a token that ends inside a UTF-8
+        # character back and sends it with the next): the final usage total is the count.
+        out.output_tokens = out.server_total
+        out.count_source = "chunks+usage_total"
     if run.jump is not None and out.ok:
         # Only a complete response: a stream cut by an error may end with tokens whose
         # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds
@@ -472,6 +534,9 @@ def _read(
             except OSError as exc:
                 raise _Fail("connection_reset", str(exc)) from None
             t = clock.mono_ns()  # stamp at the byte, before any parsing
+            closed = False
+            if data and isinstance(sock, ssl.SSLSocket):
+                data, closed = _tls_drain(sock, data)
             # Let every other stream whose bytes are already here take its stamp before
             # this one spends time parsing: without this, when N streams' tokens land
             # together the last one is stamped after N-1 parses (measured in
@@ -479,8 +544,10 @@ def _read(
             gevent.sleep(0)
             if len(first) < 5:
                 first += data[: 5 - len(first)]
-            eof = not data
+            eof = not data or closed
             conn.receive_data(data)
+            if closed:
+                conn.receive_data(b"")
             continue
         if isinstance(event, h11.Response):
             ns["t2"] = t
@@ -517,11 +584,48 @@ def _read(
             raise _Fail("connection_reset", "connection closed before the response ended")
 
 
+def _tls_drain(sock: ssl.SSLSocket, data: bytes) -> tuple[bytes, bool]:
+    """The rest of what arrived with this read: the plaintext the TLS object holds
+    (`pending()`) and the records already in the socket buffer, read now without waiting
+    (one plain read takes all the kernel holds; a TLS read returns one record), to be
+    stamped with `data`. Returns (the bytes, whether the peer closed after them)."""
+    chunks = [data]
+    size = len(data)
+    closed = False
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        while size < 4 * 65536:
+            try:
+                more = sock.recv(65536)
+            except (ssl.SSLWantReadError, BlockingIOError, TimeoutError):
+                break  # nothing more yet
+            except OSError:
+                break  # the next read meets the failure and classifies it
+            if not more:
+                closed = True
+                break
+            chunks.append(more)
+            size += len(more)
+    finally:
+        sock.settimeout(timeout)
+    return (b"".join(chunks) if len(chunks) > 1 else data), closed
+
+
+def _status_class(status: int) -> str:
+    if status in (401, 403):
+        return "auth"
+    if status == 404:
+        return "not_found"
+    if 400 <= status < 500:
+        return "http_4xx"
+    return "http_5xx" if status >= 500 else "http_other"
+
+
 def _finish(run: _Run, status: int, t_end: int) -> None:
     if not 200 <= status < 300:
         code, detail = _error_body(bytes(run.body))
-        cls = "http_4xx" if 400 <= status < 500 else "http_5xx" if status >= 500 else "http_other"
-        raise _Fail(cls, detail, code or str(status))
+        raise _Fail(_status_class(status), detail, code or str(status))
     if run.stream:
         run.parser.close()  # an unterminated event is discarded (WHATWG)
         if run.parser.truncated:

@@ -17,12 +17,12 @@ module (no record, log or report holds it).
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import random
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+
+from calculet_load.schema.access import TargetAccess, access_of
 
 MAX_CONTEXT = 40960
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "be", "do", "fu", "ga")
@@ -51,23 +51,18 @@ def sample_words(seed: int, index: int, count: int) -> list[str]:
     return words
 
 
-def http_tokenizer(url: str, timeout_s: float = 30.0) -> Tokenize:
-    """POST the body to the target's `/tokenize` and return the token ids."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+def http_tokenizer(url: str | TargetAccess, timeout_s: float = 30.0) -> Tokenize:
+    """POST the body to the target's `/tokenize` (under its base path, with its TLS
+    settings and headers: calculet_load.schema.access) and return the token ids."""
+    access = access_of(url)
 
     def tokenize(body: dict[str, Any]) -> list[int]:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        try:
-            conn.request(
-                "POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"}
-            )
-            resp = conn.getresponse()
-            data = resp.read()
-        finally:
-            conn.close()
-        if resp.status != 200:
-            raise WorkloadError(f"/tokenize: HTTP {resp.status} from {url}")
+        status, data, _ = access.call(
+            "POST", "/tokenize", json.dumps(body).encode(),
+            {"Content-Type": "application/json"}, timeout_s,
+        )  # fmt: skip
+        if status != 200:
+            raise WorkloadError(f"/tokenize: HTTP {status} from {access.url}")
         obj = json.loads(data)
         tokens = obj.get("tokens") if isinstance(obj, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):

@@ -31,6 +31,7 @@ from calculet_load.measure.durations import durations
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.sink import PartSink
+from calculet_load.schema.access import TargetAccess
 from calculet_load.schema.manifest import RunManifest
 from calculet_load.schema.records import (
     ClientNs,
@@ -212,6 +213,8 @@ def make_record(ctx: RunContext, spec: RequestSpec, out: Outcome, protocol: str)
             nonfinite_field=out.nonfinite,
             invalid_value=out.invalid_value,
             count_anomaly=out.count_anomaly,
+            event_reads=out.event_reads if out.events else None,
+            max_events_per_read=out.max_events_per_read if out.events else None,
         ),
     )
 
@@ -246,7 +249,7 @@ class Session:
     def __init__(
         self,
         ctx: RunContext,
-        url: str,
+        url: str | TargetAccess,
         protocol: str,
         *,
         model: str | None = None,

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from calculet_load.configfile import read_yaml, validate
+from calculet_load.schema.access import parse_header, secret_header
 
 MANIFEST_SCHEMA = "calculet-perf-run/v1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -63,9 +64,36 @@ class Client(_Section):
 class Target(_Section):
     """Where the load goes; not in spec §5, which leaves the target to the deployment."""
 
-    url: str = Field(pattern=r"^https?://")
+    url: str = Field(pattern=r"^https?://")  # may carry a base path (schema.access)
     protocol: Literal["openai-chat", "openai-completions", "llama"] = "llama"
     model: str | None = None
+    # how to reach it (calculet_load.schema.access): TLS, headers and the API key; the key
+    # only by the file or environment variable that holds it, never inline
+    ca_file: str | None = None
+    insecure: bool = False  # https without certificate verification: shown in the report
+    headers: list[str] = Field(default_factory=list)  # "Name: value", not secret-named
+    api_key_file: str | None = None
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, v: list[str]) -> list[str]:
+        for line in v:
+            name, _ = parse_header(line)
+            if secret_header(name):
+                raise ValueError(
+                    f"header {name}: a secret is never written inline; "
+                    "use api_key_file or api_key_env (or --header on the command line)"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _access(self) -> Target:
+        if self.api_key_file and self.api_key_env:
+            raise ValueError("give api_key_file or api_key_env, not both")
+        if self.insecure and self.ca_file:
+            raise ValueError("give ca_file or insecure, not both")
+        return self
 
 
 MaintenanceAction = Literal["device_reset", "reload", "shutdown"]

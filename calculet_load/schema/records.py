@@ -139,11 +139,18 @@ class Ext:
     nonfinite_field: bool = False
     invalid_value: str | None = None  # a failure's offending raw value, bounded text
     count_anomaly: str | None = None  # why the token count was flagged (mismatch)
+    event_reads: int | None = None  # reads that delivered the events (few: coalesced)
+    max_events_per_read: int | None = None  # the most events one read delivered
 
 
 # Columns added to `calculet-perf-request/v1` after its first release, each optional: a
 # reader fills them with nulls in parts written before them (never a different meaning).
-ADDED_REQUEST_COLUMNS = ("ext.invalid_value", "ext.count_anomaly")
+ADDED_REQUEST_COLUMNS = (
+    "ext.invalid_value",
+    "ext.count_anomaly",
+    "ext.event_reads",
+    "ext.max_events_per_read",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,19 +1,21 @@
 """Blocking HTTP calls to the target's admin, health, metrics and trace endpoints, run in
 gevent's thread pool so that the event loop (and every request it is timing) keeps going.
 
-Used by the fault matrix, the soak and the capacity search.
+Used by the fault matrix, the soak and the capacity search. Every path is resolved under
+the target's base path, with its TLS settings and headers (calculet_load.schema.access);
+the admin token replaces the API key's Authorization on admin calls.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import gevent
+
+from calculet_load.schema.access import TargetAccess, access_of
 
 T = TypeVar("T")
 
@@ -38,16 +40,16 @@ class TargetAPI:
 
     def __init__(
         self,
-        url: str,
+        url: str | TargetAccess,
         admin_token: str | None = None,
         *,
         operator: str = "calculet-load",
         timeout_s: float = 120.0,
     ) -> None:
-        parts = urlsplit(url)
-        self.url = url.rstrip("/")
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
+        self.access = access_of(url)
+        self.url = self.access.url
+        self.host = self.access.host
+        self.port = self.access.port
         self.token = admin_token
         self.operator = operator
         self.timeout_s = timeout_s
@@ -59,26 +61,28 @@ class TargetAPI:
     def _call(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
     ) -> tuple[int, bytes, dict[str, str]]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         headers = {"X-Operator": self.operator}
-        if (path.startswith("/admin/") or path.startswith("/traces/audit")) and self.token:
+        admin = path.startswith("/admin/") or path.startswith("/traces/audit")
+        if admin and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         data = None
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        try:
-            conn.request(method, path, body=data, headers=headers)
-            wall_ns = time.time_ns()
-            resp = conn.getresponse()
-            raw = resp.read()
-            if self.journal is not None and headers.get("Authorization"):
-                self.journal.append(
-                    {"wall_ns": wall_ns, "method": method, "path": path, "status": resp.status}
-                )
-            return resp.status, raw, {k.lower(): v for k, v in resp.getheaders()}
-        finally:
-            conn.close()
+        sent: list[int] = []
+        status, raw, head = self.access.call(
+            method,
+            path,
+            data,
+            headers,
+            timeout_s or self.timeout_s,
+            on_sent=lambda: sent.append(time.time_ns()),
+        )
+        if self.journal is not None and admin and self.token:
+            self.journal.append(
+                {"wall_ns": sent[0], "method": method, "path": path, "status": status}
+            )
+        return status, raw, head
 
     def call(
         self, method: str, path: str, body: Any = None, timeout_s: float | None = None
