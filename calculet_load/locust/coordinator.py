@@ -22,7 +22,7 @@ from locust.runners import MasterRunner
 from calculet_load.locust.clocksync import ClockSync
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
-from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options
+from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options, target_access
 from calculet_load.measure.sink import sink_status
 from calculet_load.schema.fs import write_file
 from calculet_load.target.api import TargetAPI
@@ -152,7 +152,7 @@ class Coordinator:
             window = TraceWindow(plan.run_id, self.started_wall_ns, time.time_ns())
             try:
                 record = collect_traces(
-                    TargetAPI(self.env.host),
+                    TargetAPI(target_access(opts, self.env.host)),
                     plan.run_dir,
                     window=window,
                     timeout_s=float(opts.trace_timeout),
@@ -395,7 +395,11 @@ def _options_snapshot(opts: Any) -> dict[str, Any]:
         "num_users",
         "no_stream",
     )
-    return {k: getattr(opts, k, None) for k in keys}
+    out = {k: getattr(opts, k, None) for k in keys}
+    # how the target was reached, secrets as <redacted> and the key by its source only;
+    # "insecure": true when certificate verification was off (--insecure)
+    out["target_access"] = target_access(opts, opts.host or "").describe() if opts.host else None
+    return out
 
 
 def _write_json(run_dir: str, rel: str, obj: Any) -> None:

@@ -71,6 +71,7 @@ from calculet_load.locust.worker import (
 )
 from calculet_load.measure.prompts import WorkloadError
 from calculet_load.measure.sink import sink_status
+from calculet_load.schema.access import AccessError, access_from, add_access_arguments
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.profiles import PROFILE_NAMES
 from calculet_load.workload.arrivals import ArrivalError, load_replay, unit_gaps
@@ -91,6 +92,9 @@ def _add_options(parser: Any) -> None:
             UI_OPTIONS.add(action.dest)
 
     opt("--protocol", choices=PROTOCOLS, default="llama", help="target protocol")
+    # how to reach the target (-H may carry a base path): https verification, headers, the
+    # API key. Never in the web UI's form: secrets and paths stay on the command line.
+    add_access_arguments(lambda *names, **kw: opt(*names, ui=False, **kw))
     opt("--model", default="", help="model name sent to OpenAI-style targets")
     opt(
         "--target-profile",
@@ -285,7 +289,9 @@ def option_problems(opts: Any) -> list[str]:
                     "environment.vpn_in_path is true: RTT and jitter must be measured "
                     f"(--rtt-samples >= 2, got {opts.rtt_samples})"
                 )
-    except (MixError, ManifestError) as exc:
+        if getattr(opts, "host", None):  # the access is usable (files, variables, headers)
+            access_from(opts, opts.host, manifest.target if opts.manifest else None)
+    except (MixError, ManifestError, AccessError) as exc:
         problems.append(str(exc))
     return problems
 

@@ -34,6 +34,7 @@ from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, 
 from calculet_load.measure.selfwatch import TIMER_SLACK_S, SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
+from calculet_load.schema.access import TargetAccess, access_from
 from calculet_load.schema.manifest import load_manifest
 from calculet_load.schema.records import RequestRecord
 from calculet_load.target.netprobe import measure_round, rounds_record
@@ -91,6 +92,13 @@ def _run_id(opts: Any) -> str:
     return "locust-" + time.strftime("%Y%m%dT%H%M%S")
 
 
+def target_access(opts: Any, host: str) -> TargetAccess:
+    """The target's access (calculet_load.schema.access) from Locust's `-H` and the access
+    options, over the manifest's `target` section; AccessError when unusable."""
+    target = load_manifest(opts.manifest).target if opts.manifest else None
+    return access_from(opts, host, target)
+
+
 def _mix(opts: Any) -> Mix:
     if opts.mix:
         return load_mix(opts.mix)
@@ -128,9 +136,11 @@ class Worker:
         self.sink = PartSink(plan.run_dir, self.name)
         timeout = float(self.opts.request_timeout)
         host = env.host or ""
+        # the target's TLS settings, base path, headers and key (calculet_load.schema.access)
+        self.access = target_access(self.opts, host)
         self.session = Session(
             ctx,
-            host.rstrip("/"),
+            self.access,
             self.opts.protocol,
             model=self.opts.model or None,
             max_in_flight=max(int(self.opts.max_in_flight), 1) + 64,
@@ -180,7 +190,7 @@ class Worker:
             if self._factory is None:
                 mode = "chat" if self.opts.protocol == "openai-chat" else "ids"
                 self._factory = PromptFactory(
-                    http_tokenizer(self.session.pool.endpoint.url), mode=mode
+                    http_tokenizer(self.session.pool.endpoint.access), mode=mode
                 )
             p = self._prompts[key] = self._factory.prompt(tokens, sample)
         return p
