@@ -52,6 +52,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
+from tests.load.test_locust_traces import assert_joined_records_filled
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 
@@ -483,6 +484,18 @@ def _failed(run_dir: Path) -> dict[str, str]:
     return {v["rule"]: v["class"] for v in verdicts if v["status"] == "fail"}
 
 
+def assert_export_is_joined(run_dir: Path) -> None:
+    """`calculet-load export` of the run: §3 records with the server-side fields of
+    every record that joined its trace (issue 17), and the count said on stderr."""
+    cmd = [*CLI, "export", str(run_dir)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in res.stdout.splitlines()]
+    joined = assert_joined_records_filled(records)
+    assert joined > 0, res.stderr
+    assert f"{len(records)} records written; {joined} of {len(records)} joined" in res.stderr
+
+
 @pytest.mark.parametrize(("broken", "expected"), [(None, 0), ("nan", 1)])
 def test_the_demo_ends_with_a_signed_report(
     broken: str | None, expected: int, tmp_path: Path, procs: list[subprocess.Popen[Any]]
@@ -501,6 +514,8 @@ def test_the_demo_ends_with_a_signed_report(
     procs.append(proc)
     out, _ = proc.communicate(timeout=240)
     run_dirs = sorted(p for p in runs.glob("demo-*") if p.is_dir())
+    if run_dirs:
+        assert_export_is_joined(run_dirs[0])
     if proc.returncode == 3 and run_dirs and (run_dirs[0] / "verdict.json").exists():
         # The demo judges with the default rules: on this shared 2-core machine, other
         # processes can starve its client, which it then rightly calls invalid (exit 3
