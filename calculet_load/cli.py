@@ -62,7 +62,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run",
     ),
     "capacity": (
-        "calculet_load.accept.capacity",
+        "calculet_load.commands.capacity",
         "find the stable max QPS of §14.3: open-loop rate doubling then bisection, each "
         "window judged on backlog growth, rejects and P99 latency/queue against the SLA",
         "add_arguments",

@@ -98,6 +98,14 @@ class FakeClock:
         self._wall_ns = wall_ns
 
 
+def mono_at_wall(wall_ns: int, clock: Clock | None = None) -> int:
+    """The monotonic instant at which `clock`'s wall clock (this process's by default)
+    shows `wall_ns`: the one wall-to-monotonic conversion (waits are on the monotonic
+    clock; an instant shared across processes is a wall instant)."""
+    clock = clock or SystemClock()
+    return clock.mono_ns() + (wall_ns - clock.wall_ns())
+
+
 @dataclass(frozen=True, slots=True)
 class ClockAnchor:
     """One monotonic reading paired with one wall reading, taken back to back.

@@ -8,7 +8,7 @@ and a driver can run, and be tested, without the analysis installed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,13 @@ class AnalysisDoor:
     `leak_segments(run_dir, rules_path, attempts) -> [segment]` (the leak rule on each
     attempt's stretch of server/resources.jsonl); `joined_records(run_dir) -> table`
     (the request records as an Arrow table, joined with the server traces: server_ms,
-    runtime_ms and the quality flags filled where a record joined)."""
+    runtime_ms and the quality flags filled where a record joined);
+    `theil_sen(t, y) -> fit` (the one Theil–Sen slope, `.slope`: the capacity search's
+    backlog growth, the soak's client RSS)."""
 
     analyze_run: Callable[..., int]
     write_report: Callable[..., str]
     sign_run: Callable[..., Any]
     leak_segments: Callable[[Path, str | None, list[dict[str, Any]]], list[dict[str, Any]]]
     joined_records: Callable[[str], Any]
+    theil_sen: Callable[[Sequence[float], Sequence[float]], Any]

@@ -36,6 +36,7 @@ slowest fluctuation (measured rates: tests/analysis/test_leaks.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from enum import StrEnum
 
@@ -54,6 +55,7 @@ __all__ = [
     "bin_means",
     "detect_leak",
     "mann_kendall_hamed_rao",
+    "theil_sen",
 ]
 
 LEAK_METHOD = (
@@ -103,6 +105,28 @@ class TrendTest:
     autocorr_factor: float
     z: float
     p_increasing: float
+
+
+@dataclass(frozen=True, slots=True)
+class SenFit:
+    """A Theil–Sen slope (units of y per unit of t) and Sen's interval at `level`."""
+
+    slope: float
+    low: float
+    high: float
+
+
+def theil_sen(t: Sequence[float] | FloatArray, y: Sequence[float] | FloatArray,
+              level: float = 0.95) -> SenFit:  # fmt: skip
+    """The Theil–Sen slope of y over t: the median of the slopes of every pair of
+    points (scipy.stats.theilslopes), robust to a minority of outliers; Sen's interval
+    at `level`. The one Theil–Sen of the tree: the leak test's here, the drivers' (the
+    capacity search's backlog, the soak's client RSS) through the AnalysisDoor. Fewer
+    than 3 points tell no trend: slope 0."""
+    if len(t) < 3:
+        return SenFit(0.0, 0.0, 0.0)
+    fit = st.theilslopes(y, t, alpha=level)
+    return SenFit(float(fit.slope), float(fit.low_slope), float(fit.high_slope))
 
 
 def bin_means(t_s: FloatArray, y: FloatArray, bin_s: float) -> tuple[FloatArray, FloatArray]:
@@ -211,13 +235,13 @@ def detect_leak(
         why = f"{tb.size} bins of {width:g} s after the {warm:g} s warmup; need ≥ {MIN_BINS}"
         return result(LeakStatus.INSUFFICIENT_DATA, f"{resource}: {why}")
 
-    ts = st.theilslopes(yb, tb, alpha=level)
-    slope_h = float(ts.slope) * 3600.0
-    test = mann_kendall_hamed_rao(tb, yb, float(ts.slope))
+    ts = theil_sen(tb, yb, level)
+    slope_h = ts.slope * 3600.0
+    test = mann_kendall_hamed_rao(tb, yb, ts.slope)
     # Sen's interval with its z widened by √(n/n*): the same level, autocorrelation-aware.
     z = float(st.norm.ppf((1.0 + level) / 2.0)) * math.sqrt(test.autocorr_factor)
-    wide = st.theilslopes(yb, tb, alpha=min(1.0 - 1e-12, 2.0 * float(st.norm.cdf(z)) - 1.0))
-    ci = (float(wide.low_slope) * 3600.0, float(wide.high_slope) * 3600.0)
+    wide = theil_sen(tb, yb, min(1.0 - 1e-12, 2.0 * float(st.norm.cdf(z)) - 1.0))
+    ci = (wide.low * 3600.0, wide.high * 3600.0)
 
     u = f" {unit}" if unit else ""
     seen = (

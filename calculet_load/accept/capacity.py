@@ -40,15 +40,16 @@ import gevent.pool
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
-from calculet_load.measure.selfwatch import sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.target.api import TargetAPI, off_loop, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
+from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.mixes import MixError, load_mix, single
 
 CAPACITY_SCHEMA = "calculet-capacity/v1"
@@ -105,15 +106,10 @@ def _p99(values: list[float]) -> float | None:
     return xs[min(len(xs) - 1, math.ceil(0.99 * (len(xs) - 1)))]
 
 
-def _theil_sen(t: list[float], y: list[float]) -> float:
-    from scipy import stats
-
-    return float(stats.theilslopes(y, t).slope) if len(t) >= 3 else 0.0
-
-
 class Capacity:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, door: AnalysisDoor) -> None:
         self.a = args
+        self.door = door  # the backlog's Theil–Sen slope
         self.manifest = load_manifest(args.manifest)
         target = self.manifest.target
         self.url = (args.url or (target.url if target else "")).rstrip("/")
@@ -224,7 +220,6 @@ class Capacity:
         rate_real = rate / self.scale
         chooser = self.mix.chooser(a.seed)
         clock = RateClock(rate_real, 1)
-        sched = Schedule(a.arrival, a.seed + len(self.curve), clock)
         pool = gevent.pool.Pool(a.max_in_flight)
         reqs: list[_Req] = []
         dropped = 0
@@ -240,7 +235,9 @@ class Capacity:
                 samples.append((time.monotonic(), self.session.in_flight))
                 gevent.sleep(every)
 
-        def send(spec: RequestSpec, req: _Req) -> None:
+        def send(spec: RequestSpec) -> None:
+            req = _Req(sent_mono=time.monotonic())
+            reqs.append(req)
             _, out = self.session.send(spec)
             req.rid = out.request_id
             req.status = out.http_status
@@ -253,37 +250,33 @@ class Capacity:
                 if ns.first_token is not None:
                     req.ttft_s = (ns.first_token - ns.request_start) / 1e9
 
-        watcher = gevent.spawn(sampler)
-        origin = time.monotonic_ns() + 50_000_000
-        while True:
-            nxt = sched.next_for(0)
-            if nxt is None:
-                break
-            k, unit = nxt
-            t = clock.time_of(unit)
-            assert t is not None
-            due = origin + t
-            if due / 1e9 >= end:
-                break
+        def dropped_arrival(spec: RequestSpec, reason: str) -> None:
+            nonlocal dropped
+            self.session.record_dropped(spec, reason)
+            if time.monotonic() >= measure_from:
+                dropped += 1
+
+        def spec_for(k: int, due: int) -> RequestSpec:
             entry, sample = chooser.entry_for(k)
-            spec = RequestSpec(
+            return RequestSpec(
                 prompt=self._prompt(entry.prompt_tokens, sample),
                 max_tokens=entry.max_tokens,
                 stream=entry.stream,
                 cell=cell,
                 arrival=a.arrival,
                 intended_start_ns=due,
-                late_after_ms=5.0,
+                late_after_ms=LATE_AFTER_MS,
             )
-            sleep_until(due)
-            if pool.full():
-                self.session.record_dropped(spec, f"in-flight cap {a.max_in_flight} full")
-                if time.monotonic() >= measure_from:
-                    dropped += 1
-                continue
-            req = _Req(sent_mono=time.monotonic())
-            reqs.append(req)
-            pool.spawn(send, spec, req)
+
+        watcher = gevent.spawn(sampler)
+        OpenLoop(
+            schedule=Schedule(a.arrival, a.seed + len(self.curve), clock),
+            clock=clock,
+            origin_ns=time.monotonic_ns() + 50_000_000,
+            sender=Sender(pool, send, dropped_arrival),
+            spec=spec_for,
+            end_ns=int(end * 1e9),
+        ).run()
         samples.append((time.monotonic(), self.session.in_flight))
         watcher.kill()
         # the requests still in flight: a grace for the ones about to finish, then cut
@@ -327,7 +320,7 @@ class Capacity:
             if r.done_mono is not None and r.error is None and measure_from <= r.done_mono <= end
         )
         pts = [(t, n) for t, n in samples if t >= measure_from]
-        slope = _theil_sen([t for t, _ in pts], [float(n) for _, n in pts])
+        slope = float(self.door.theil_sen([t for t, _ in pts], [float(n) for _, n in pts]).slope)
         growth = slope * span
         queue = self._queue_ms({r.rid for r in measured if r.rid})
         reject_rate = (rejects + dropped) / arrivals if arrivals else 0.0
@@ -490,9 +483,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, door: AnalysisDoor) -> int:
     try:
-        cap = Capacity(args)
+        cap = Capacity(args, door)
     except (ValueError, ManifestError, MixError) as exc:
         print(f"capacity: {exc}", file=sys.stderr)
         return EXIT_INVALID

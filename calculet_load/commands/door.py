@@ -15,6 +15,7 @@ def analysis_door() -> AnalysisDoor:
     from analysis.judge.resources import leak_segments
     from analysis.report import write_report
     from analysis.sign import sign_run
+    from analysis.stats.trend import theil_sen
 
     return AnalysisDoor(
         analyze_run=analyze_run,
@@ -22,6 +23,7 @@ def analysis_door() -> AnalysisDoor:
         sign_run=sign_run,
         leak_segments=leak_segments,
         joined_records=_joined_records,
+        theil_sen=theil_sen,
     )
 
 

@@ -30,7 +30,7 @@ import gevent.event
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
-from calculet_load.clock import Clock, SystemClock
+from calculet_load.clock import Clock, SystemClock, mono_at_wall
 from calculet_load.schema.clocks import (
     OffsetSample,
     best_sample,
@@ -69,7 +69,7 @@ class LocalOffset:
     def mono_at(self, master_wall_ns: int) -> int:
         """The monotonic instant at which this worker's wall clock shows the master's
         instant `master_wall_ns` (waits are on the monotonic clock)."""
-        return self.clock.mono_ns() + (self.to_local_ns(master_wall_ns) - self.clock.wall_ns())
+        return mono_at_wall(self.to_local_ns(master_wall_ns), self.clock)
 
     def snapshot(self) -> dict[str, Any]:
         return {

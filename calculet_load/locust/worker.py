@@ -31,14 +31,16 @@ from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable, cell_name
 from calculet_load.measure.client import Outcome, Timeouts
 from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
-from calculet_load.measure.selfwatch import TIMER_SLACK_S, SelfWatch, sleep_until
+from calculet_load.measure.selfwatch import SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.access import TargetAccess, access_from
 from calculet_load.schema.manifest import load_manifest
 from calculet_load.schema.records import RequestRecord
+from calculet_load.target.api import off_loop
 from calculet_load.target.netprobe import measure_round, rounds_record
 from calculet_load.workload.arrivals import RateClock, Schedule, load_replay
+from calculet_load.workload.dispatch import OpenLoop, Sender
 from calculet_load.workload.mixes import Mix, MixChooser, load_mix, single
 
 log = logging.getLogger("calculet_load")
@@ -149,6 +151,7 @@ class Worker:
         )
         self.session.hooks.append(self._on_record)
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))
+        self.sender = Sender(self.pool, self._send, self._dropped)
         self.rate_clock = RateClock(plan.rate, max(len(plan.slots), 1))
         for at_ns, rate in plan.rate_changes:
             self.rate_clock.change(at_ns, rate)
@@ -280,8 +283,7 @@ class Worker:
         gevent.sleep(RTT_SETTLE_S)
         while samples > 0 and not self.stopping:
             try:  # a native thread: the round trips are not stretched by this loop's lag
-                pool = gevent.get_hub().threadpool
-                row = pool.apply(measure_round, (url, samples), {"clock": self.clock})
+                row = off_loop(lambda: measure_round(url, samples, clock=self.clock))
             except ValueError as exc:
                 log.warning("%s: no RTT measurement: %s", self.name, exc)
                 return
@@ -341,55 +343,37 @@ class Worker:
             replay=replay,
         )
         assert self.slot is not None
-        while not self.stopping:
-            nxt = sched.next_for(self.slot)
-            if nxt is None:
-                log.info("%s: the arrival log is exhausted", self.name)
-                return
-            k, unit = nxt
-            due = self._wait_for(unit)
-            if due is None:
-                return
-            self._fire(k, due)
+        loop = OpenLoop(
+            schedule=sched,
+            clock=self.rate_clock,
+            origin_ns=self.origin_mono,
+            sender=self.sender,
+            spec=self._spec,
+            slot=self.slot,
+            stopped=lambda: self.stopping,
+            wake=self.plan_changed,
+            late_after_ms=float(opts.late_ms),
+            why_full=" at the intended time",
+        )
+        loop.run()
+        if not self.stopping:
+            log.info("%s: the arrival log is exhausted", self.name)
 
-    def _wait_for(self, unit: float) -> int | None:
-        """Sleep until the arrival at unit time `unit` is due; its monotonic ns."""
-        while not self.stopping:
-            t = self.rate_clock.time_of(unit)
-            if t is None:  # rate 0 from here on: wait for a plan change
-                self.plan_changed.clear()
-                self.plan_changed.wait(1.0)
-                continue
-            due = self.origin_mono + t
-            remaining = (due - time.monotonic_ns()) / 1e9
-            if remaining > TIMER_SLACK_S:
-                # wait on the plan: a rate change re-times this arrival
-                self.plan_changed.clear()
-                self.plan_changed.wait(remaining - TIMER_SLACK_S)
-                continue
-            sleep_until(due)
-            return due
-        return None
-
-    def _fire(self, k: int, due: int, burst_id: str | None = None) -> None:
-        arrival = "burst" if burst_id else self.opts.arrival
-        spec = self.spec_for(
+    def _spec(self, k: int, due: int, burst_id: str | None = None) -> RequestSpec:
+        return self.spec_for(
             k,
-            arrival=arrival,
+            arrival="burst" if burst_id else self.opts.arrival,
             intended_start_ns=due,
             late_after_ms=float(self.opts.late_ms),
             burst_id=burst_id,
         )
-        if self.pool.full():
-            record = self.session.record_dropped(
-                spec, f"in-flight cap {self.pool.size} full at the intended time"
-            )
-            for s in (self.stats, self.wire_pending):
-                _count(s, record, self.opts.model)
-            for t in (self.llm, self.llm_pending):
-                t.observe(record)
-            return
-        self.pool.spawn(self._send, spec)
+
+    def _dropped(self, spec: RequestSpec, reason: str) -> None:
+        record = self.session.record_dropped(spec, reason)
+        for s in (self.stats, self.wire_pending):
+            _count(s, record, self.opts.model)
+        for t in (self.llm, self.llm_pending):
+            t.observe(record)
 
     def _send(self, spec: RequestSpec) -> None:
         try:
@@ -416,7 +400,7 @@ class Worker:
         sleep_until(deadline)
         sent_wall = self.clock.wall_ns()
         for k in specs_k:
-            self._fire(k, deadline, burst_id=burst_id)
+            self.sender.fire(self._spec(k, deadline, burst_id), " at the intended time")
         self.bursts.append(
             {
                 "id": burst_id,

@@ -109,7 +109,7 @@ def judge(r: StageResult) -> Judgement:
              fails or "all match")  # fmt: skip
     if p.client_rss_max_slope_mib_per_h is not None:
         gate = p.client_rss_max_slope_mib_per_h
-        client = _client_slopes(r.run_dir / "client" / "resources.jsonl")
+        client = _client_slopes(r.run_dir / "client" / "resources.jsonl", r.analysis)
         slopes = [s["slope_mib_per_h"] for s in client["segments"]
                   if s.get("slope_mib_per_h") is not None]  # fmt: skip
         observed = client["segments"][0] if len(client["segments"]) == 1 else client
@@ -285,14 +285,15 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _client_slope(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _client_slope(rows: list[dict[str, Any]], door: AnalysisDoor | None) -> dict[str, Any]:
     """Theil–Sen slope of one client process' RSS (MiB per real hour), after a 10%
-    warmup."""
+    warmup (the analysis's estimator, through the door)."""
     if len(rows) < MIN_CLIENT_SAMPLES:
         return {"samples": len(rows), "slope_mib_per_h": None,
                 "reason": f"fewer than {MIN_CLIENT_SAMPLES} samples: not judged"}  # fmt: skip
-    from scipy import stats
-
+    if door is None:
+        return {"samples": len(rows), "slope_mib_per_h": None,
+                "reason": "no analysis door given to this stage: not judged"}  # fmt: skip
     t = [(r["mono_ns"] - rows[0]["mono_ns"]) / 1e9 for r in rows]
     y = [r["rss_bytes"] / 2**20 for r in rows]
     keep = [i for i, ti in enumerate(t) if ti >= 0.1 * t[-1]]
@@ -310,19 +311,19 @@ def _client_slope(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "real time: not judged (the process' own warmup would be taken for a trend)"
         )
         return out
-    fit = stats.theilslopes([y[i] for i in keep], [t[i] for i in keep])
+    fit = door.theil_sen([t[i] for i in keep], [y[i] for i in keep])
     out["slope_mib_per_h"] = round(float(fit.slope) * 3600.0, 3)
     return out
 
 
-def _client_slopes(path: Path) -> dict[str, Any]:
+def _client_slopes(path: Path, door: AnalysisDoor | None) -> dict[str, Any]:
     """The RSS slope of each client process (attempt) separately: a restarted process
     starts small, and joining it to the killed one would fake a drop or a rise."""
     rows = _read_jsonl(path)
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(str(r.get("worker", "w00")), []).append(r)
-    segments = [{"worker": w, **_client_slope(rs)} for w, rs in by.items()]
+    segments = [{"worker": w, **_client_slope(rs, door)} for w, rs in by.items()]
     if not segments:
-        segments = [{"worker": None, **_client_slope([])}]
+        segments = [{"worker": None, **_client_slope([], door)}]
     return {"samples": len(rows), "segments": segments}

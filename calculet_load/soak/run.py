@@ -67,7 +67,7 @@ from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
-from calculet_load.measure.selfwatch import SelfWatch, sleep_until
+from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, load_manifest
@@ -93,6 +93,7 @@ from calculet_load.soak.stage import (
 from calculet_load.soak.state import STATE_FILE, TRACE_KINDS, JsonLines
 from calculet_load.target.api import TargetAPI, off_loop, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
+from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.matrix import MatrixError, load_golden
 from calculet_load.workload.mixes import MixError, load_mix, single
 
@@ -144,6 +145,7 @@ class Soak:
         self.notes: list[str] = []
         self.terminating: int | None = None  # the signal that stopped the run
         self.senders = gevent.pool.Group()  # every greenlet that sends requests
+        self.open_pool: gevent.pool.Pool | None = None  # the open loop's requests
         self.plan: dict[str, Any] = {}
         self.t_start = self.t_end = float("inf")  # monotonic s: the stage's planned start, end
 
@@ -263,7 +265,12 @@ class Soak:
         self.t_end = min(self.t_end, time.monotonic())
         for g in getattr(self, "_stoppable", []):
             g.kill(block=False)
-        gevent.spawn_later(TERM_DRAIN_S, self.senders.kill, block=False)
+        gevent.spawn_later(TERM_DRAIN_S, self._cut_senders)
+
+    def _cut_senders(self) -> None:
+        self.senders.kill(block=False)
+        if self.open_pool is not None:
+            self.open_pool.kill(block=False)
 
     def _run(self) -> int:
         st = self.stage
@@ -502,29 +509,18 @@ class Soak:
             return
         rate = self.rate_target * ld.rate_fraction / self.scale
         clock = RateClock(rate, 1)
-        sched = Schedule(ld.arrival, self._seed(), clock)
-        pool = gevent.pool.Pool(ld.max_in_flight)
-        origin = time.monotonic_ns() + 200_000_000
-        while True:
-            nxt = sched.next_for(0)
-            if nxt is None:
-                break
-            k, unit = nxt
-            t = clock.time_of(unit)
-            assert t is not None
-            due = origin + t
-            if due / 1e9 >= self.t_end:
-                break
-            spec = self._spec(
-                k, chooser, arrival=ld.arrival, intended_start_ns=due, late_after_ms=5.0
-            )
-            sleep_until(due)
-            if due / 1e9 >= self.t_end:  # stopped (SIGTERM) while waiting
-                break
-            if pool.full():
-                self.session.record_dropped(spec, f"in-flight cap {ld.max_in_flight} full")
-            else:
-                self.senders.add(pool.spawn(self.session.send, spec))
+        pool = self.open_pool = gevent.pool.Pool(ld.max_in_flight)
+        OpenLoop(
+            schedule=Schedule(ld.arrival, self._seed(), clock),
+            clock=clock,
+            origin_ns=time.monotonic_ns() + 200_000_000,
+            sender=Sender(pool, self.session.send, self.session.record_dropped),
+            spec=lambda k, due: self._spec(
+                k, chooser, arrival=ld.arrival, intended_start_ns=due, late_after_ms=LATE_AFTER_MS
+            ),
+            end_ns=int(self.t_end * 1e9),
+            stopped=lambda: self.terminating is not None,
+        ).run()
         self._drain(pool)
 
     def _drain(self, pool: gevent.pool.Pool) -> None:

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.schema.clocks import rtt_summary
+from calculet_load.target.api import off_loop
 
 __all__ = ["RttRounds", "measure_round", "rounds_record"]
 
@@ -180,7 +181,7 @@ class RttRounds:
             return
         self._last_mono_ns = now
         try:
-            row = _off_loop(self.url, self.samples, self.clock)
+            row = off_loop(lambda: measure_round(self.url, self.samples, clock=self.clock))
         except ValueError:
             return  # not an http(s) URL: nothing to measure
         self.rounds.append({"phase": phase, **row})
@@ -188,11 +189,3 @@ class RttRounds:
 
     def record(self) -> dict[str, Any]:
         return rounds_record(self.rounds)
-
-
-def _off_loop(url: str, samples: int, clock: Clock) -> dict[str, Any]:
-    try:
-        import gevent
-    except ImportError:  # pragma: no cover - gevent is a dependency
-        return measure_round(url, samples, clock=clock)
-    return dict(gevent.get_hub().threadpool.apply(measure_round, (url, samples), {"clock": clock}))

@@ -62,8 +62,11 @@ MAX_BODY_BYTES = 16 << 20  # a /metrics body larger than this is refused, not pa
 T = TypeVar("T")
 
 
-def _off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in gevent's thread pool when gevent patched this process, else here."""
+def _pooled_if_patched(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in gevent's thread pool when gevent patched this process, else here.
+
+    Not `target.api.off_loop` (which always uses the pool): the sampler also runs in a
+    native thread of a process gevent did not patch, where the call belongs inline."""
     if "gevent" in sys.modules:
         from gevent import get_hub, monkey
 
@@ -300,7 +303,7 @@ class ServerSampler:
         self.sample(final=True)
         for out in (self.metrics_out, self.process_out):
             if out is not None:
-                _off_loop(out.close)
+                _pooled_if_patched(out.close)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -316,14 +319,16 @@ class ServerSampler:
         with self._lock:
             if not self._attached:
                 self._attached = True
-                _off_loop(self._attach)
+                _pooled_if_patched(self._attach)
             if self.metrics_out is not None and self.metrics_url:
                 buckets = final or self.scrapes % self.bucket_every == 0
                 row = self._scrape(self.metrics_url, buckets)
-                _off_loop(self.metrics_out.add, row)
+                _pooled_if_patched(self.metrics_out.add, row)
                 self.scrapes += 1
             if self.proc is not None and self.process_out is not None:
-                _off_loop(lambda p, out: out.add(sample_process(p)), self.proc, self.process_out)
+                _pooled_if_patched(
+                    lambda p, out: out.add(sample_process(p)), self.proc, self.process_out
+                )
 
     def _attach(self) -> None:
         """Find and open the server's process, and its file (once, on the first sample)."""

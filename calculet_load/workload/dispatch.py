@@ -15,22 +15,27 @@ k), so splitting a cell changes which process sends a request, never what it is:
   burst             one step per round: each process fires its part of the burst at the
                     round's wall instant, with the burst id on every request
 
-This module is Locust-free: the pipeline imports it without Locust's monkey-patching.
+`OpenLoop` is the one open-loop dispatcher: every driver that sends on a schedule
+(a cell here, a Locust worker's slot, a capacity window, a soak stage) runs its
+arrivals through it. This module is Locust-free: the pipeline imports it without
+Locust's monkey-patching.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
 import gevent
+import gevent.event
 import gevent.pool
 
-from calculet_load.clock import SystemClock
+from calculet_load.clock import mono_at_wall
 from calculet_load.measure.prompts import Prompt
-from calculet_load.measure.selfwatch import sleep_until
+from calculet_load.measure.selfwatch import TIMER_SLACK_S, sleep_until
 from calculet_load.measure.session import RequestSpec, Session
 from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.matrix import Cell
@@ -143,11 +148,123 @@ def _owner(k: int, users: list[int]) -> int:
     raise AssertionError("unreachable")
 
 
-def wall_to_mono(wall_ns: int) -> int:
-    """A wall-clock instant of this process's clock on its monotonic clock (a Locust
-    worker has already moved the master's instant onto its own wall clock)."""
-    clock = SystemClock()
-    return clock.mono_ns() + (wall_ns - clock.wall_ns())
+class Sender:
+    """Sends requests into a bounded pool of greenlets; a request that finds the pool
+    full is recorded as dropped (`drop(spec, reason)`), never silently lost."""
+
+    def __init__(
+        self,
+        pool: gevent.pool.Pool,
+        send: Callable[[RequestSpec], object],
+        drop: Callable[[RequestSpec, str], object],
+    ) -> None:
+        self.pool = pool
+        self.send = send
+        self.drop = drop
+
+    def fire(self, spec: RequestSpec, why_full: str = "") -> bool:
+        """Spawn the request, or record it dropped if the pool is full; True if sent."""
+        if self.pool.full():
+            self.drop(spec, f"in-flight cap {self.pool.size} full{why_full}")
+            return False
+        self.pool.spawn(self.send, spec)
+        return True
+
+
+@dataclasses.dataclass
+class OpenLoopResult:
+    """What an open loop dispatched: arrivals due (sent or dropped), the dropped ones,
+    the sends later than `late_after_ms` after their intended time, the largest lag."""
+
+    arrivals: int = 0
+    dropped: int = 0
+    late: int = 0
+    max_lag_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class OpenLoop:
+    """The one open-loop dispatcher: arrival k of `schedule`'s slot `slot` is due at
+    `origin_ns + clock.time_of(unit)` (monotonic ns); it sleeps until each, builds the
+    request with `spec(k, due_ns)` just before the instant and fires it through
+    `sender`. It ends at the first of: the schedule exhausted, arrival index `count`
+    reached, an arrival due at or after `end_ns`, `stopped()` true.
+
+    With `wake` (an event set on a rate change or a stop), it waits on the event rather
+    than sleeping, so a change re-times the arrival it waits for, and a rate of 0 waits
+    for the next change instead of ending the loop."""
+
+    schedule: Schedule
+    clock: RateClock
+    origin_ns: int
+    sender: Sender
+    spec: Callable[[int, int], RequestSpec]
+    slot: int = 0
+    count: int | None = None
+    end_ns: int | None = None
+    stopped: Callable[[], bool] = lambda: False
+    wake: gevent.event.Event | None = None
+    late_after_ms: float = LATE_AFTER_MS
+    why_full: str = ""  # appended to the drop reason
+    result: OpenLoopResult = dataclasses.field(default_factory=OpenLoopResult)
+    _halted: bool = dataclasses.field(default=False, init=False)
+
+    def done(self) -> bool:
+        return self._halted or self.stopped()
+
+    def run(self) -> OpenLoopResult:
+        """Dispatch until one of the ends (in this greenlet); the requests it spawned
+        may still be in flight: join `sender.pool` after."""
+        res = self.result
+        while not self.done():
+            nxt = self.schedule.next_for(self.slot)
+            if nxt is None:
+                break
+            k, unit = nxt
+            if self.count is not None and k >= self.count:
+                break
+            due = self._wait_for(unit)
+            if due is None:
+                break
+            spec = self.spec(k, due)
+            sleep_until(due)
+            if self.done():  # stopped while waiting
+                break
+            lag_ms = (time.monotonic_ns() - due) / 1e6
+            res.max_lag_ms = max(res.max_lag_ms, lag_ms)
+            res.late += lag_ms > self.late_after_ms
+            res.arrivals += 1
+            if not self.sender.fire(spec, self.why_full):
+                res.dropped += 1
+        return res
+
+    def _wait_for(self, unit: float) -> int | None:
+        """Wait until the arrival at unit time `unit` is a timer's slack away; its due
+        instant (monotonic ns), or None if the loop ends first."""
+        while not self.done():
+            t = self.clock.time_of(unit)
+            if t is None:  # the rate is 0 from here on
+                if self.wake is None:
+                    return None
+                self.wake.clear()
+                self.wake.wait(1.0)
+                continue
+            due = self.origin_ns + t
+            if self.end_ns is not None and due >= self.end_ns:
+                return None
+            remaining = (due - time.monotonic_ns()) / 1e9
+            if self.wake is not None and remaining > TIMER_SLACK_S:
+                self.wake.clear()  # a rate change re-times this arrival
+                self.wake.wait(remaining - TIMER_SLACK_S)
+                continue
+            return due
+        return None
+
+    def stop(self) -> None:
+        """Stop at the next arrival (at once if waiting on `wake`)."""
+        self._halted = True
+        if self.wake is not None:
+            self.wake.set()
 
 
 class CellRunner:
@@ -212,33 +329,31 @@ class CellRunner:
     def _open(self, share: Share, chooser: MixChooser) -> int:
         cell = share.cell
         clock = RateClock(cell.rate, share.slots)
-        sched = Schedule(cell.arrival, share.seed, clock, burstiness=cell.burstiness)
         pool = gevent.pool.Pool(max(cell.max_in_flight // share.slots, 1))
-        origin = wall_to_mono(share.start_wall_ns)
-        sent = 0
-        while (nxt := sched.next_for(share.slot)) is not None:
-            k, unit = nxt
-            t = clock.time_of(unit)
-            if k >= share.count or t is None:
-                break
-            due = origin + t
-            spec = self.spec(
-                share, chooser, k, arrival=cell.arrival, intended_start_ns=due,
+        loop = OpenLoop(
+            schedule=Schedule(cell.arrival, share.seed, clock, burstiness=cell.burstiness),
+            clock=clock,
+            origin_ns=mono_at_wall(share.start_wall_ns),
+            sender=Sender(pool, self.session.send, self.session.record_dropped),
+            spec=lambda k, due: self.spec(
+                share,
+                chooser,
+                k,
+                arrival=cell.arrival,
+                intended_start_ns=due,
                 late_after_ms=LATE_AFTER_MS,
-            )  # fmt: skip
-            sleep_until(due)
-            if pool.full():
-                self.session.record_dropped(spec, f"in-flight cap {pool.size} full")
-            else:
-                pool.spawn(self.session.send, spec)
-            sent += 1
+            ),
+            slot=share.slot,
+            count=share.count,
+        )
+        sent = loop.run().arrivals
         pool.join()
         return sent
 
     def _burst(self, share: Share, chooser: MixChooser) -> int:
         cell = share.cell
         self.session.pool.prewarm(share.count)
-        due = wall_to_mono(share.start_wall_ns)
+        due = mono_at_wall(share.start_wall_ns)
         specs = [
             self.spec(
                 share, chooser, k, arrival="burst", burst_id=share.burst_id,

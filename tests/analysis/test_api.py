@@ -60,6 +60,7 @@ def test_public_names_are_pinned() -> None:
         "bin_means",
         "detect_leak",
         "mann_kendall_hamed_rao",
+        "theil_sen",
     ]
     for module in (stats, compare, leaks):
         assert all(hasattr(module, name) for name in module.__all__)
