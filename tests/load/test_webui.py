@@ -325,6 +325,10 @@ def test_start_form_live_tab_rate_burst_and_stop(browser: Any, locust_ui: Locust
     assert [b["id"] for b in index["bursts"]] == [burst["id"]]
     (worker,) = index["workers"]
     assert worker["status"] == "reported" and worker["parts"], worker
+    # the stop fetched the simulator's traces of this run into server/ (issue 17)
+    traces = index["server_traces"]
+    assert traces["status"] == "fetched" and traces["kinds"]["server_events"]["rows"] > 0, traces
+    assert (ui.run_dir / "server" / "server_events.jsonl").exists()
     parts = sorted((ui.run_dir / "client" / "w00").glob("part-*.requests.parquet"))
     assert parts, list(ui.run_dir.rglob("*"))
 
