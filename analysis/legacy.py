@@ -30,6 +30,7 @@ from typing import Any
 
 from analysis.errors import ArtifactError
 from calculet_load.schema.fs import resolve_fs
+from calculet_load.schema.runfolder import ClientIndex
 
 __all__ = [
     "LEGACY_SCHEMA",
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 LEGACY_SCHEMA = "calculet-legacy-trend/v1"
-_INDEX_SCHEMA = "calculet-client-index/v1"
 _TREND = "legacy/trend.parquet"
 _WHY = (
     "its TTFT was the server's prompt_ms + predicted_ms and its model label was "
@@ -141,23 +141,21 @@ def import_legacy(
     (out_dir / "legacy").mkdir(parents=True, exist_ok=True)
     (out_dir / "client").mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out_dir / _TREND)
-    index = {
-        "schema": _INDEX_SCHEMA,
-        "run_id": run_id or f"legacy-{src.stem}",
-        "status": "complete",
-        "legacy": True,
-        "authoritative": False,
-        "source": {
+    ClientIndex(
+        run_id=run_id or f"legacy-{src.stem}",
+        status="complete",
+        legacy=True,
+        authoritative=False,
+        source={
             "file": src.name,
             "sha256": hashlib.sha256(data).hexdigest(),
             "rows": n,
             "columns": [c for c in table.column_names if c not in derived],
         },
-        "trend": _TREND,
-        "notes": notes,
-        "workers": [],
-    }
-    (out_dir / "client" / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+        trend=_TREND,
+        notes=notes,
+        workers=[],
+    ).write(str(out_dir))
     return LegacyImport(str(out_dir), n, list(table.column_names), notes)
 
 

@@ -46,6 +46,7 @@ from calculet_load.schema.arrow import (
     request_schema,
     selfwatch_schema,
     token_event_schema,
+    trace_columns,
 )
 from calculet_load.schema.clocks import rtt_measured
 from calculet_load.schema.fs import resolve_fs
@@ -56,7 +57,9 @@ from calculet_load.schema.records import (
     SchemaVersionError,
     check_schema,
 )
-from calculet_load.schema.runfolder import part_files
+from calculet_load.schema.runfolder import CLIENT_INDEX_SCHEMA as INDEX_SCHEMA
+from calculet_load.schema.runfolder import ClientIndex, part_files
+from calculet_load.schema.traces import DeviceRow, ServerEventRow, StepRow
 
 __all__ = [
     "INDEX_SCHEMA",
@@ -70,7 +73,6 @@ __all__ = [
     "read_run_files",
 ]
 
-INDEX_SCHEMA = "calculet-client-index/v1"
 MANIFEST_SCHEMA = "calculet-perf-run/v1"
 NETWORK_BREAKS_SCHEMA = "calculet-network-breaks/v1"
 
@@ -83,52 +85,20 @@ TRACE_FILES = {
 
 Progress = Callable[[str], None]
 
-# The trace columns the analysis reads (calculet_load/schema/traces.py declares them);
-# other fields (`detail`, chip units the analysis does not use) are skipped unread.
-_EVENT_COLUMNS = pa.schema(
-    [
-        ("wall_ns", pa.int64()),
-        ("mono_ns", pa.int64()),
-        ("event", pa.string()),
-        ("request_id", pa.string()),
-        ("job_id", pa.int64()),
-        ("step_index", pa.int64()),
-        ("kind", pa.string()),
-        ("generation", pa.int64()),
-    ]
+# The trace columns the analysis reads (calculet_load.schema.traces declares them, with
+# their types); other fields (`detail`, chip units the analysis does not use) are skipped.
+_EVENT_COLUMNS = trace_columns(
+    ServerEventRow,
+    ("wall_ns", "mono_ns", "event", "request_id", "job_id", "step_index", "kind", "generation"),
 )
-_STEP_COLUMNS = pa.schema(
-    [
-        ("wall_ns", pa.int64()),
-        ("mono_ns", pa.int64()),
-        ("request_id", pa.string()),
-        ("job_id", pa.int64()),
-        ("kind", pa.string()),
-        ("step", pa.int64()),
-        ("queue_ms", pa.float64()),
-        ("h2d_ms", pa.float64()),
-        ("device_wait_ms", pa.float64()),
-        ("d2h_ms", pa.float64()),
-        ("sampling_ms", pa.float64()),
-    ]
+_STEP_TIMES = ("queue_ms", "h2d_ms", "device_wait_ms", "d2h_ms", "sampling_ms")
+_STEP_COLUMNS = trace_columns(
+    StepRow, ("wall_ns", "mono_ns", "request_id", "job_id", "kind", "step", *_STEP_TIMES)
 )
-_CHIP = pa.struct(
-    [
-        ("chip", pa.int64()),
-        ("temperature_c", pa.float64()),
-        ("power_w", pa.float64()),
-        ("frequency_mhz", pa.float64()),
-        ("throttled", pa.bool_()),
-    ]
-)
-_DEVICE_COLUMNS = pa.schema(
-    [
-        ("wall_ns", pa.int64()),
-        ("mono_ns", pa.int64()),
-        ("chips", pa.list_(_CHIP)),
-        ("pending_jobs", pa.int64()),
-        ("reset_count", pa.int64()),
-    ]
+_DEVICE_COLUMNS = trace_columns(
+    DeviceRow,
+    ("wall_ns", "mono_ns", "chips", "pending_jobs", "reset_count"),
+    (("chips", ("chip", "temperature_c", "power_w", "frequency_mhz", "throttled")),),
 )
 _TRACE_SCHEMAS = {
     "server_events": _EVENT_COLUMNS,
@@ -449,16 +419,19 @@ def _read_index(fs: pafs.FileSystem, root: str) -> dict[str, Any] | None:
     path = _path(root, "client/index.json")
     if not _exists(fs, path):
         return None
-    index = _check_versioned(_read_json(fs, path), path, INDEX_SCHEMA)
-    for w in index.get("workers") or []:
-        name = w.get("worker") if isinstance(w, dict) else None
-        for part in (w.get("parts") or []) if name else []:
-            if not _exists(fs, _path(root, f"client/{name}/{part}")):
+    doc = _read_json(fs, path)
+    try:
+        index = ClientIndex.parse(doc)
+    except (SchemaVersionError, ValueError) as exc:
+        raise ArtifactError(f"{path}: {exc}") from None
+    for w in index.workers:
+        for part in w.parts:
+            if not _exists(fs, _path(root, f"client/{w.worker}/{part}")):
                 raise ArtifactError(
-                    f"{_path(root, f'client/{name}/{part}')}: listed in client/index.json "
+                    f"{_path(root, f'client/{w.worker}/{part}')}: listed in client/index.json "
                     "but missing from the run folder"
                 )
-    return index
+    return dict(doc)  # as written: the views show what the writer put there
 
 
 def _read_breaks(fs: pafs.FileSystem, root: str) -> list[NetworkBreak]:

@@ -55,9 +55,10 @@ from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
-from calculet_load.measure.sink import PartSink, sink_status
+from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.schema.prometheus import chip_gauges, device_sample
+from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI, off_loop
 from calculet_load.target.netprobe import RttRounds
 from calculet_load.target.traces import collect_traces
@@ -655,21 +656,17 @@ class Pipeline:
                          "target_rtt": self.rtt.record()}  # fmt: skip
             if folder.name == self.worker:
                 entry["sink"] = dataclasses.asdict(self.sink.stats)
-            status = "reported"
-            problem = sink_status(entry.get("sink"))
-            if problem is not None:  # rows not in the parts: the run says so (exit 3)
-                status, entry["sink_problem"] = "incomplete", problem
-            workers.append({**entry, "worker": folder.name, "status": status, "parts": parts})
-        incomplete = any(w["status"] != "reported" for w in workers)
-        index = {
-            "schema": "calculet-client-index/v1",
-            "run_id": self.manifest.run_id,
-            "status": "incomplete" if incomplete else "complete",
-            "source": "calculet-load accept",
-            "target": self.url,
-            "workers": workers,
-        }
-        (self.run_dir / "client" / "index.json").write_text(json.dumps(index, indent=1))
+            workers.append(
+                IndexWorker(
+                    **{**entry, "worker": folder.name, "status": "reported", "parts": parts}
+                )
+            )
+        index = ClientIndex(
+            run_id=self.manifest.run_id, status="complete", source="calculet-load accept",
+            target=self.url, workers=workers,
+        )  # fmt: skip
+        index.check_sinks()  # rows not in the parts: the run says so (exit 3)
+        index.write(str(self.run_dir))
 
     def _collect_traces(self) -> None:
         self.log.write("traces", "start")

@@ -23,15 +23,14 @@ from calculet_load.locust.clocksync import ClockSync
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
 from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options, target_access
-from calculet_load.measure.sink import sink_status
 from calculet_load.schema.fs import write_file
+from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI
 from calculet_load.target.scrape import ServerSampler, sampler_for_run
 from calculet_load.target.traces import TraceWindow, collect_traces
 
 log = logging.getLogger("calculet_load")
 
-INDEX_SCHEMA = "calculet-client-index/v1"
 HISTORY_KEEP = 3600  # Locust appends a history row per second forever: keep an hour
 
 
@@ -307,43 +306,35 @@ class Coordinator:
         names = sorted(
             set(self.reports) | {f"w{int(i):02d}" for i in plan.slots} | set(self.worker_state)
         )
-        incomplete = False
+        missing = False
         for name in names:
-            entry: dict[str, Any] = {"worker": name}
-            entry.update(self.worker_state.get(name, {}))
+            entry: dict[str, Any] = {"worker": name, **self.worker_state.get(name, {})}
             rep = self.reports.get(name)
             if rep is not None:
-                entry.update(rep)
-                entry["status"] = "reported"
-                sink_problem = sink_status(rep.get("sink"))
-                if sink_problem is not None:  # rows not in the parts: the run says so
-                    entry["status"] = "incomplete"
-                    entry["sink_problem"] = sink_problem
-                    incomplete = True
+                entry.update(rep, status="reported")  # IndexWorker.check_sink: lost rows
             elif status == "complete":
-                entry.setdefault("status", "missing")
-                entry["status"] = "missing" if entry["status"] != "reported" else "reported"
-                incomplete = True
+                entry["status"] = "reported" if entry.get("status") == "reported" else "missing"
+                missing = True
             clock = self._clock_of(name)
             if clock is not None:
                 entry["master_clock_sync"] = clock
-            workers.append(entry)
-        index = {
-            "schema": INDEX_SCHEMA,
-            "run_id": plan.run_id,
-            "status": "incomplete" if incomplete else status,
-            "started_wall_ns": self.started_wall_ns,
-            "ended_wall_ns": self.ended_wall_ns,
-            "plan": json.loads(plan.to_json()),
-            "options": _options_snapshot(options(self.env)),
-            "target": self.env.host,
-            "workers": workers,
-            "bursts": [{**b, **burst_spread(b["id"], self.reports.values())} for b in self.bursts],
-        }
+            workers.append(IndexWorker(**entry))
+        index = ClientIndex(
+            run_id=plan.run_id,
+            status="incomplete" if missing else status,
+            started_wall_ns=self.started_wall_ns,
+            ended_wall_ns=self.ended_wall_ns,
+            plan=json.loads(plan.to_json()),
+            options=_options_snapshot(options(self.env)),
+            target=self.env.host,
+            workers=workers,
+            bursts=[{**b, **burst_spread(b["id"], self.reports.values())} for b in self.bursts],
+        )
         if self.server_traces is not None:
-            index["server_traces"] = self.server_traces
-        _write_json(plan.run_dir, "client/index.json", index)
-        return index
+            index.server_traces = self.server_traces
+        index.check_sinks()
+        index.write(plan.run_dir)
+        return index.to_dict()
 
     def _clock_of(self, name: str) -> dict[str, Any] | None:
         """The master's latest offset measurement of the worker called `name`."""

@@ -34,6 +34,7 @@ from calculet_load.schema.arrow import (
 )
 from calculet_load.schema.fs import resolve_fs
 from calculet_load.schema.records import RequestRecord, TokenEvent, record_to_dict
+from calculet_load.schema.runfolder import sink_status as sink_status  # one, in the schema
 
 TABLES = ("requests", "tokens", "selfwatch")
 
@@ -72,22 +73,6 @@ class SinkStats:
     def complete(self) -> bool:
         """Every row handed to the sink is in a Parquet part."""
         return not (self.errors or self.quarantined or self.lost)
-
-
-def sink_status(stats: dict[str, Any] | None) -> str | None:
-    """Why a worker's sink (its `SinkStats` as a dict, as the index keeps it) did not
-    write everything into its parts, or None when it did (or nothing is known)."""
-    if not stats:
-        return None
-    problems = []
-    if stats.get("quarantined"):
-        files = ", ".join(stats.get("quarantine_files") or []) or "no file"
-        problems.append(f"{stats['quarantined']} row(s) quarantined ({files})")
-    if stats.get("lost"):
-        problems.append(f"{stats['lost']} row(s) lost")
-    if stats.get("errors") and not problems:
-        problems.append(f"{len(stats['errors'])} write error(s)")
-    return "; ".join(problems) or None
 
 
 class PartSink:

@@ -93,6 +93,43 @@ def arrow_schema(cls: type, schema_name: str) -> pa.Schema:
     return pa.schema(fields, metadata={"schema": schema_name})
 
 
+def _column_type(cls: type, name: str, annotation: Any, nested: Sequence[str]) -> pa.DataType:
+    """The Arrow type of one field of a trace row: a scalar, a string enum or literal,
+    or a list of a dataclass (`nested`: the struct's fields, all of them if empty)."""
+    kind = _scalar(annotation)
+    if kind in _SCALARS:
+        return _SCALARS[kind]
+    if isinstance(kind, type) and issubclass(kind, str):  # a StrEnum
+        return pa.string()
+    if typing.get_origin(kind) is typing.Literal:
+        return pa.string()
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        if dataclasses.is_dataclass(item):
+            return pa.list_(pa.struct(trace_columns(item, nested)))  # type: ignore[arg-type]
+    raise TypeError(f"{cls.__name__}.{name}: no Arrow type for {annotation!r}")
+
+
+@functools.cache
+def trace_columns(
+    cls: type, names: Sequence[str] = (), nested: tuple[tuple[str, Sequence[str]], ...] = ()
+) -> pa.Schema:
+    """The Arrow schema of the columns `names` (all if empty, in the declared order) of a
+    trace row type (calculet_load.schema.traces), derived from its declaration; a list of
+    rows (a device sample's chips) becomes a list of structs of the fields `nested`
+    gives for it. A name the row does not declare is a TypeError."""
+    hints = typing.get_type_hints(cls)
+    declared = [f.name for f in dataclasses.fields(cls)]
+    unknown = [n for n in names if n not in declared]
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
+    inner = dict(nested)
+    return pa.schema(
+        pa.field(n, _column_type(cls, n, hints[n], inner.get(n, ())), nullable=True)
+        for n in (names or declared)
+    )
+
+
 def request_schema() -> pa.Schema:
     return arrow_schema(RequestRecord, REQUEST_SCHEMA)
 

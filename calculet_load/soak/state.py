@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from calculet_load.clock import wall_iso
-from calculet_load.measure.sink import sink_status
+from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.soak.stage import StageError
 
 STATE_SCHEMA = "calculet-soak-state/v1"
@@ -269,31 +269,23 @@ def write_client_index(
     keys = ("ntp_offset_ns", "ntp_source", "ntp_synchronized", "ntp_detail", "clock_anchor")
     for a in state["attempts"]:
         w = a["worker"]
-        entry = {
-            "worker": w,
-            "host": a.get("host"),
-            "pid": a.get("pid"),
-            "status": "reported" if a.get("status") == "finished" else "interrupted",
-            "attempt_status": a.get("status"),
-            "parts": sorted(p.name for p in (client / w).glob("part-*.parquet")),
+        entry = IndexWorker(
+            worker=w,
+            host=a.get("host"),
+            pid=a.get("pid"),
+            status="reported" if a.get("status") == "finished" else "interrupted",
+            attempt_status=a.get("status"),
+            parts=sorted(p.name for p in (client / w).glob("part-*.parquet")),
             **{k: a[k] for k in keys if k in a},
-        }
-        if a.get("status") == "killed":
-            entry["open_part_lost"] = True
+            # a killed attempt's open part is lost
+            **({"open_part_lost": True} if a.get("status") == "killed" else {}),
+        )
         if a.get("sink") is not None:
-            entry["sink"] = a["sink"]
-            problem = sink_status(a["sink"])
-            if problem is not None:  # rows not in the parts: the run says so (exit 3)
-                entry["status"], entry["sink_problem"] = "incomplete", problem
-                status = "incomplete"
+            entry.sink = a["sink"]
         workers.append(entry)
-    index = {
-        "schema": "calculet-client-index/v1",
-        "run_id": run_id,
-        "status": status,
-        "source": source,
-        "target": target,
-        "workers": workers,
-        "gaps": state["gaps"],
-    }
-    (client / "index.json").write_text(json.dumps(index, indent=1, default=str))
+    index = ClientIndex(
+        run_id=run_id, status=status, source=source, target=target, workers=workers,
+        gaps=state["gaps"],
+    )  # fmt: skip
+    index.check_sinks()  # rows not in the parts: the run says so (exit 3)
+    index.write(str(run_dir))
