@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("calculet_load.measure", "calculet_load.target"),
     ("calculet_load.workload",),
     ("calculet_load.locust",),
+    ("calculet_load.drive",),
     ("calculet_load.faults",),
     ("calculet_load.soak",),
     ("calculet_load.accept",),

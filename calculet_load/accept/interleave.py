@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from calculet_load.accept.pipeline import Pipeline
+from calculet_load.accept.pipeline import TRACES, Pipeline
+from calculet_load.drive.steps import run_steps
 from calculet_load.errors import EXIT_FAIL, EXIT_INVALID, EXIT_OK, RunStop
 
 
@@ -55,9 +56,8 @@ class Interleaved:
             base.close()  # first: it ends its run on the shared workers
             cand.close()
         if cand.code in (EXIT_OK, EXIT_FAIL):
-            base.log.write("traces", "start")
             base._write_index()
-            base._collect_traces()
+            run_steps((TRACES,), base, base.log)
         base.log.write("run", "end", code=cand.code)
         return cand.end()
 

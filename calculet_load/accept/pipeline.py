@@ -44,6 +44,14 @@ import gevent
 from calculet_load.accept.faultstep import run_fault_step
 from calculet_load.clock import clock_provenance
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.steps import (
+    EventLog,
+    Step,
+    StepOutcome,
+    StepResult,
+    analyze,
+    run_steps,
+)
 from calculet_load.errors import (
     EXIT_FAIL,
     EXIT_INFRA,
@@ -115,16 +123,6 @@ class Options:
     workers_timeout_s: float = 120.0
     extra: dict[str, Any] = field(default_factory=dict)
     analysis: AnalysisDoor | None = None  # analyze, report, sign (calculet_load.commands)
-
-
-class EventLog:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def write(self, step: str, status: str, **detail: Any) -> None:
-        row = {"wall_ns": time.time_ns(), "step": step, "status": status, **detail}
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row, default=str) + "\n")
 
 
 class InProcess:
@@ -276,32 +274,25 @@ class Pipeline:
         if not resumed:
             self.log.write("run", "start", run_id=self.manifest.run_id, target=self.url)
             (self.run_dir / "manifest.yaml").write_text(Path(self.o.manifest).read_text())
-            self._release()
-            self._start_fleet()
-            self._idle()
-            self._golden("golden_before")
-            self._warmup()
-            self._make_plan()
+            run_steps(BEFORE_MATRIX, self, self.log)
         else:
             self.log.write("run", "resume", attempt=self.plan["attempts"])
             self.say(f"resuming {self.run_dir} (attempt {self.plan['attempts']})")
-            self._release()
-            self._start_fleet()
+            run_steps(ON_RESUME, self, self.log)
 
     def golden_and_resources(self) -> None:
-        self._golden("golden_after")
-        self._resources()
+        run_steps(CHECKS_AFTER, self, self.log)
 
     def after_matrix(self) -> None:
-        # --- issue 8: the fault matrix of §12 (calculet_load/faults/matrix.py), with --faults ---
+        run_steps(AFTER_MATRIX, self, self.log)
+
+    def _faults(self) -> None:
+        """Issue 8: the fault matrix of §12 (calculet_load/faults/matrix.py), with --faults."""
         if self.o.extra.get("faults"):
             run_fault_step(self)
-        # --- end of the fault matrix step ----------------------------------------------
-        self.golden_and_resources()
 
     # --------------------------------------------------------------- 1 release
-    def _release(self) -> None:
-        self.log.write("release", "start")
+    def _release(self) -> StepResult:
         m = self.manifest.model
         checked = []
         if self.o.calbin:
@@ -342,9 +333,9 @@ class Pipeline:
         batch = _release_batch(self.matrix, self.manifest, state)
         if batch is not None and batch["served_compiled_batch"] is not None:
             checked.append("served compiled batch")
-        self.log.write("release", "end", checked=checked, health=health.get("status"), batch=batch)
         self.say(f"release verified ({', '.join(checked) or 'manifest only'})")
         self.rtt.take("before")
+        return StepResult.ok(checked=checked, health=health.get("status"), batch=batch)
 
     # --------------------------------------------------------------- workers
     def _start_fleet(self) -> None:
@@ -384,7 +375,7 @@ class Pipeline:
             self.notes.append(f"workers {', '.join(missing)} did not report at the end")
 
     # --------------------------------------------------------------- 2 idle
-    def _idle(self) -> None:
+    def _idle(self) -> StepResult:
         """Wait until the device's temperature, power and frequency are stable.
 
         Samples the target's `/metrics` (spec §10.3 gauges `calculet_chip_temperature_c`,
@@ -392,7 +383,6 @@ class Pipeline:
         `--idle-window-s`, the hottest chip moved <= 0.5 C, total power <= 1 W and the
         lowest frequency did not change."""
         window = self.o.idle_window_s
-        self.log.write("idle", "start", window_s=window)
         self.say(f"idle sampling: waiting for a stable {window:g} s window")
         rows: list[tuple[float, float, float, float]] = []
         started = time.monotonic()
@@ -402,12 +392,10 @@ class Pipeline:
                 sample = device_sample(_get_bytes(f"{self.url}/metrics").decode())
             except (OSError, ValueError) as exc:
                 self.notes.append(f"idle: no device telemetry from /metrics ({exc}); skipped")
-                self.log.write("idle", "end", stable=None, reason=str(exc))
-                return
+                return StepResult.not_available(str(exc), stable=None, window_s=window)
             if sample is None:
                 self.notes.append("idle: /metrics has no chip gauges; idle sampling skipped")
-                self.log.write("idle", "end", stable=None, reason="no chip gauges")
-                return
+                return StepResult.not_available("no chip gauges", stable=None, window_s=window)
             now = time.monotonic()
             rows.append((now, *sample))
             if now - rows[0][0] >= window:
@@ -418,10 +406,10 @@ class Pipeline:
                     break
             gevent.sleep(min(1.0, max(window / 10, 0.1)))
         last = rows[-1] if rows else None
-        self.log.write("idle", "end", stable=stable, samples=len(rows), last=last)
         if not stable:
             self.notes.append("idle: the device did not become stable within the timeout")
         self.say(f"idle sampling: {'stable' if stable else 'NOT stable'} ({len(rows)} samples)")
+        return StepResult.ok(stable=stable, samples=len(rows), last=last, window_s=window)
 
     def _device_now(self) -> dict[str, Any] | None:
         """The device as a cell starts or ends (§8: temperature and throttling per
@@ -482,14 +470,13 @@ class Pipeline:
             raise RunStop(EXIT_FAIL, f"{step} failed: {'; '.join(failures[:3])}")
 
     # --------------------------------------------------------------- 4 warmup
-    def _warmup(self) -> None:
+    def _warmup(self) -> StepResult:
         n = self.manifest.warmup_requests
         shapes = sorted({(c.prompt_tokens, c.max_tokens) for c in self.cells if not c.mix})
         for c in self.cells:
             if c.mix:
                 shapes += [(e.prompt_tokens, e.max_tokens) for e in load_mix(c.mix).entries]
         shapes = sorted(set(shapes))
-        self.log.write("warmup", "start", shapes=shapes, per_shape=n)
         for p, o in shapes:
             for i in range(n):
                 spec = RequestSpec(
@@ -497,8 +484,8 @@ class Pipeline:
                     concurrency=1, arrival="single", warmup=True,
                 )  # fmt: skip
                 run_in_greenlet(functools.partial(self.session.send, spec))
-        self.log.write("warmup", "end")
         self.say(f"warmup: {n} request(s) for each of {len(shapes)} shape(s)")
+        return StepResult.ok(shapes=shapes, per_shape=n)
 
     # --------------------------------------------------------------- 5 matrix
     def _make_plan(self) -> None:
@@ -598,11 +585,9 @@ class Pipeline:
         return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
 
     # --------------------------------------------------------------- 7 resources
-    def _resources(self) -> None:
-        self.log.write("resources", "start")
+    def _resources(self) -> StepResult:
         if not self.o.admin_token:
-            self.log.write("resources", "end", checked=False, reason="no admin token")
-            return
+            return StepResult.not_available("no admin token", checked=False)
         deadline = time.monotonic() + 30
         state: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -620,24 +605,20 @@ class Pipeline:
             and state.get("buffer_pool", {}).get("leased") == 0
             and state.get("sequences_active") == 0
         )
-        self.log.write("resources", "end", checked=True, back_to_baseline=back,
-                       kv_allocated=state.get("kv", {}).get("allocated_tokens"),
-                       leased=state.get("buffer_pool", {}).get("leased"))  # fmt: skip
+        detail = {"checked": True, "back_to_baseline": back,
+                  "kv_allocated": state.get("kv", {}).get("allocated_tokens"),
+                  "leased": state.get("buffer_pool", {}).get("leased")}  # fmt: skip
         self.say(f"resources back to baseline: {back}")
         if not back:
+            self.log.end("resources", StepResult.failed("did not return to idle", **detail))
             raise RunStop(EXIT_FAIL, "resources: KV/leases/sequences did not return to idle")
+        return StepResult.ok(**detail)
 
     # --------------------------------------------------------------- 8-11
     def _finish(self) -> None:
+        """Index, traces, analysis, report; the run's end row; the signature last."""
         self._write_index()
-        self._collect_traces()
-        self.log.write("analysis", "start")
-        code = self._analyze()
-        self.log.write("analysis", "end", code=code)
-        # a stop for correctness wins; otherwise the analysis decides
-        self.code = self.code if self.code == EXIT_FAIL else code
-        if not self.o.skip_report:
-            self._report()
+        run_steps(FINISH, self, self.log)
         self.log.write("run", "end", code=self.code)
         self._sign()
 
@@ -668,30 +649,33 @@ class Pipeline:
         index.check_sinks()  # rows not in the parts: the run says so (exit 3)
         index.write(str(self.run_dir))
 
-    def _collect_traces(self) -> None:
-        self.log.write("traces", "start")
+    def _collect_traces(self) -> StepResult:
         # every row the target holds (the join picks this run's requests out)
         got = collect_traces(TargetAPI(self.url), str(self.run_dir))
-        self.log.write(
-            "traces", "end", fetched=got["status"], reason=got["reason"], files=got["kinds"]
+        outcome = {"fetched": StepOutcome.OK, "not_available": StepOutcome.NOT_AVAILABLE}
+        return StepResult(
+            outcome.get(got["status"], StepOutcome.FAILED),
+            got["reason"],
+            {"fetched": got["status"], "files": got["kinds"]},
         )
 
-    def _analyze(self) -> int:
-        door = self.o.analysis
-        if door is None:
+    def _analyze(self) -> StepResult:
+        """The analysis decides the exit code, unless a stop for correctness came first."""
+        result = analyze(
+            self.o.analysis, self.run_dir, baseline=self.o.baseline_run, rules=self.o.rules
+        )
+        if result.outcome is StepOutcome.NOT_AVAILABLE:
             self.notes.append("analysis: not given to this run (no analysis door)")
-            return self.code
-        run = door.analyze_run
-        return int(run(str(self.run_dir), baseline=self.o.baseline_run, rules=self.o.rules))
+            return dataclasses.replace(result, detail={"code": self.code})
+        self.code = self.code if self.code == EXIT_FAIL else int(result.detail["code"])
+        return result
 
-    def _report(self) -> None:
-        self.log.write("report", "start")
+    def _report(self) -> StepResult:
         if self.o.analysis is None:
-            self.log.write("report", "skipped", reason="no analysis door given to this run")
-            return
+            return StepResult.not_available("no analysis door given to this run")
         path = self.o.analysis.write_report(str(self.run_dir), baseline=self.o.baseline_run)
-        self.log.write("report", "end", path=path)
         self.say(f"report: {path}")
+        return StepResult.ok(path=path)
 
     def _sign(self) -> None:
         """The last write to the run folder: the bundle lists every file as it is now."""
@@ -722,6 +706,33 @@ class Pipeline:
             except OSError as exc:
                 raise RunStop(EXIT_INFRA, f"prompt: /tokenize unreachable: {exc}") from None
         return self.prompts[key]
+
+
+# The driver as steps (calculet_load.drive.steps): each logged with its outcome, except
+# the ones whose own rows say more (the workers' port, golden's recorded hashes, faults).
+BEFORE_MATRIX: tuple[Step[Pipeline], ...] = (
+    Step("release", Pipeline._release),
+    Step("workers", Pipeline._start_fleet, logged=False),
+    Step("idle", Pipeline._idle),
+    Step("golden_before", lambda p: p._golden("golden_before"), logged=False),
+    Step("warmup", Pipeline._warmup),
+    Step("plan", Pipeline._make_plan, logged=False),
+)
+ON_RESUME: tuple[Step[Pipeline], ...] = BEFORE_MATRIX[:2]  # release, workers
+CHECKS_AFTER: tuple[Step[Pipeline], ...] = (
+    Step("golden_after", lambda p: p._golden("golden_after"), logged=False),
+    Step("resources", Pipeline._resources),
+)
+AFTER_MATRIX: tuple[Step[Pipeline], ...] = (
+    Step("faults", Pipeline._faults, logged=False),
+    *CHECKS_AFTER,
+)
+TRACES: Step[Pipeline] = Step("traces", Pipeline._collect_traces)
+FINISH: tuple[Step[Pipeline], ...] = (
+    TRACES,
+    Step("analysis", Pipeline._analyze),
+    Step("report", Pipeline._report, when=lambda p: not p.o.skip_report),
+)
 
 
 def _release_batch(matrix: Matrix, manifest: RunManifest, state: Any) -> dict[str, Any] | None:

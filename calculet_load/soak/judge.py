@@ -10,16 +10,15 @@ between them, and over the joined series where the clocks are comparable.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from pathlib import Path
 from typing import Any
 
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.steps import StepOutcome, analyze
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.faults.maintenance import parse_rows
 from calculet_load.soak.stage import PassConditions
-from calculet_load.target.api import off_loop
 
 MIN_CLIENT_SAMPLES = 20  # client RSS samples needed to judge its slope
 # ... and the real seconds they must span after the warmup: a process' own warmup
@@ -211,11 +210,11 @@ def _analysis(
     door: AnalysisDoor | None, run_dir: Path, rules: str | None, notes: list[str]
 ) -> tuple[int | None, dict[str, Any] | None]:
     """`calculet-load analyze` on the run: its exit code and its verdict's leak section."""
-    if door is None:
+    result = analyze(door, run_dir, rules=rules, quiet=True)
+    if result.outcome is StepOutcome.NOT_AVAILABLE:
         notes.append("analysis: not given to this stage (no analysis door)")
         return None, None
-    run = functools.partial(door.analyze_run, str(run_dir), rules=rules, quiet=True)
-    code = int(off_loop(run))
+    code = int(result.detail["code"])
     verdict = run_dir / "verdict.json"
     leaks = None
     if verdict.exists():

@@ -64,6 +64,7 @@ import psutil
 
 from calculet_load.clock import wall_iso
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.steps import EventLog
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
@@ -189,9 +190,8 @@ class Soak:
         soakstate.save_state(self.run_dir, self.state)
 
     def _event(self, status: str, **detail: Any) -> None:
-        """A row of the run's `events.jsonl` (the format of `accept`'s event log)."""
-        self.events.write({"wall_ns": time.time_ns(), "step": "soak", "status": status,
-                           "worker": self.worker, **detail})  # fmt: skip
+        """A row of the run's `events.jsonl` (drive.steps.EventLog: accept's format)."""
+        self.events.write("soak", status, **detail)
 
     def _resume_gap(self) -> dict[str, Any] | None:
         """The gap the previous attempt left (soakstate.gap), added to the state."""
@@ -220,7 +220,7 @@ class Soak:
         repaired = soakstate.repair_files(self.run_dir) if self.state is not None else {}
         attempts = self.state["attempts"] if self.state is not None else []
         self.worker = "w00" if not attempts else f"w00-r{len(attempts)}"
-        self.events = JsonLines(self.run_dir / "events.jsonl")
+        self.events = EventLog(self.run_dir / "events.jsonl", worker=self.worker)
         if repaired:
             self.notes.append(f"cut half-written lines left by the killed process: {repaired}")
         if self.state is None:

@@ -1,0 +1,122 @@
+"""A driver as a sequence of steps (issue 16): each step runs on the driver's typed
+context and ends `ok`, `failed` or `not_available` with a reason; the run's event log
+(`events.jsonl`) records its start and its end, the outcome with it.
+
+A step that cannot run against this target (no admin API, no traces, no device
+telemetry) returns `StepResult.not_available(reason)`: the run goes on and says why,
+and the rules that depend on it are then not evaluated. A step that fails returns
+`StepResult.failed(reason)` (the driver decides what that costs) or raises `RunStop`,
+which ends the sequence; the log says so in a `stopped` row written by the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from calculet_load.doors import AnalysisDoor
+from calculet_load.target.api import off_loop
+
+__all__ = ["EventLog", "Step", "StepOutcome", "StepResult", "analyze", "run_steps"]
+
+C = TypeVar("C")
+
+
+class StepOutcome(enum.StrEnum):
+    OK = "ok"
+    FAILED = "failed"
+    NOT_AVAILABLE = "not_available"  # the target cannot support it: not run, and why
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """How a step ended; `detail` goes into its `end` row of the event log."""
+
+    outcome: StepOutcome = StepOutcome.OK
+    reason: str | None = None
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def ok(cls, **detail: Any) -> StepResult:
+        return cls(StepOutcome.OK, None, detail)
+
+    @classmethod
+    def failed(cls, reason: str, **detail: Any) -> StepResult:
+        return cls(StepOutcome.FAILED, reason, detail)
+
+    @classmethod
+    def not_available(cls, reason: str, **detail: Any) -> StepResult:
+        return cls(StepOutcome.NOT_AVAILABLE, reason, detail)
+
+
+class EventLog:
+    """The run's `events.jsonl`: one row a line, `{wall_ns, step, status, ...}` (a kill
+    cuts at most the line being written). The one format of accept's and soak's logs."""
+
+    def __init__(self, path: Path, **always: Any) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.always = always  # fields every row carries (soak: the worker)
+
+    def write(self, step: str, status: str, **detail: Any) -> None:
+        row = {"wall_ns": time.time_ns(), "step": step, "status": status,
+               **self.always, **detail}  # fmt: skip
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    def end(self, step: str, result: StepResult) -> None:
+        """The step's `end` row: its outcome, the reason unless ok, and its detail."""
+        why = {} if result.reason is None else {"reason": result.reason}
+        self.write(step, "end", outcome=str(result.outcome), **why, **result.detail)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step(Generic[C]):
+    """One step of a driver: `run(context)`; None from it means ok. `logged`: the
+    runner writes its start and end rows (False for a step that logs its own rows,
+    e.g. one whose start row says what it is about to do). `when(context)` false: the
+    step is left out of this run (an option turned it off)."""
+
+    name: str
+    run: Callable[[C], StepResult | None]
+    logged: bool = True
+    when: Callable[[C], bool] = lambda _: True
+
+
+def run_steps(steps: Sequence[Step[C]], context: C, log: EventLog) -> dict[str, StepResult]:
+    """Run the steps in order on `context`, each logged; their results by name. A
+    `RunStop` from a step ends the sequence (the driver records it)."""
+    results: dict[str, StepResult] = {}
+    for step in steps:
+        if not step.when(context):
+            continue
+        if step.logged:
+            log.write(step.name, "start")
+        result = step.run(context) or StepResult.ok()
+        if step.logged:
+            log.end(step.name, result)
+        results[step.name] = result
+    return results
+
+
+def analyze(
+    door: AnalysisDoor | None,
+    run_dir: Path,
+    *,
+    baseline: str | None = None,
+    rules: str | None = None,
+    quiet: bool = False,
+) -> StepResult:
+    """The run's analysis through the door (`calculet-load analyze`, off the gevent loop):
+    ok with its exit code as `code`; not_available without a door."""
+    if door is None:
+        return StepResult.not_available("no analysis door given to this run")
+    run = functools.partial(door.analyze_run, str(run_dir), baseline=baseline, rules=rules,
+                            quiet=quiet)  # fmt: skip
+    return StepResult.ok(code=int(off_loop(run)))
