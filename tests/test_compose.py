@@ -15,7 +15,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -27,6 +26,7 @@ import pytest
 import yaml
 
 from calculet_load.schema.runfolder import read_records
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -159,12 +159,6 @@ def test_dockerfile_builds_what_compose_runs() -> None:
 
 
 # ------------------------------------------------------------------ the same commands, run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _local(cmd: list[str], app: Path, values: dict[str, str], extra: list[str]) -> list[str]:
     """The container's command on this machine: same options, loopback addresses."""
     out = [str(BIN / cmd[0])]
@@ -252,15 +246,15 @@ def test_the_compose_commands_run_a_distributed_run(tmp_path: Path, procs: Procs
     code = health[3].replace("127.0.0.1:8000", sim_url.removeprefix("http://"))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=10)
 
-    master_port = str(_free_port())
+    master_port = str(free_port())
     master_cmd = _local(
         SERVICES["master"]["command"],
         app,
         {
             "--web-host": "127.0.0.1",
-            "--web-port": str(_free_port()),
+            "--web-port": str(free_port()),
             "-H": sim_url,
-            "--metrics-port": str(_free_port()),
+            "--metrics-port": str(free_port()),
         },
         [
             *("--master-bind-host", "127.0.0.1", "--master-bind-port", master_port),
@@ -343,7 +337,7 @@ def test_the_accept_profile_commands_run_a_distributed_acceptance(
     rules["infrastructure"]["max_saturated_fraction"] = None  # this shared machine's load
     rules["infrastructure"]["max_send_lag_p99_ms"] = None
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
-    port = str(_free_port())
+    port = str(free_port())
     accept_cmd = _local(
         ACCEPT["accept"]["command"],
         app,

@@ -20,6 +20,10 @@ from calculet_load.target.resources import ResourceSampler, sample_resources
 from tests.load.locustproc import LocustRun
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
+# the leak's RSS growth needs the request count a quiet machine reaches; the fault run's
+# time-scaled simulator needs its timing (serial: run alone)
+pytestmark = pytest.mark.serial
+
 StartSim = Callable[..., SimProcess]
 SCALE = ["--time-scale", "0.02"]  # 50 server seconds per second
 LOAD = ["-u", "2", "-r", "2", "--prompt-tokens", "16", "--max-tokens", "8"]

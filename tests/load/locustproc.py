@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE = str(REPO / "locustfiles" / "calculet.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -37,7 +37,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.load.locustproc import free_port
+from tests.ports import free_port
 from tests.simproc import SimProcess
 
 

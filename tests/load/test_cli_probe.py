@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 from calculet_load.cli import main
 from calculet_load.schema.runfolder import read_records
 from tests.conftest import REPO
+from tests.ports import free_port
 from tests.simproc import SimProcess
 
 SIM_MANIFEST = REPO / "configs" / "manifest.sim.yaml"
@@ -70,13 +70,6 @@ def test_probe_of_one_token_has_a_null_tpot(fast_sim: SimProcess, tmp_path: Path
     assert res.returncode == 0, res.stderr
     assert re.search(r"^  TPOT  null$", res.stdout, re.M)
     assert re.search(r"^  TTFT  [0-9.]+ ms$", res.stdout, re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def test_probe_of_an_unreachable_target_exits_3(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from calculet_load.measure.client import (
 )
 from calculet_load.measure.protocols import adapter_for
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, drip, serve
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -911,15 +912,8 @@ def test_closed_before_the_head_is_connection_reset(script: list[Step]) -> None:
     assert out.http_status is None and stamps(out) == [True, True] + [False] * 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def test_connection_refused() -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     pool = ConnectionPool(Endpoint(url), 1)
     try:
         out = request(url, pool=pool)

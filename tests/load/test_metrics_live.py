@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests import dashboard
-from tests.load.locustproc import LocustRun, free_port
+from tests.load.locustproc import LocustRun
+from tests.ports import free_port
 from tests.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(180)

@@ -44,10 +44,11 @@ import pytest
 
 from calculet_load.clock import TEST_WALL_SHIFT_ENV, ClockAnchor, SystemClock
 from calculet_load.workload.arrivals import intended_times
-from tests.load.locustproc import LOCUSTFILE, REPO, free_port
+from tests.load.locustproc import LOCUSTFILE, REPO
+from tests.ports import free_port
 from tests.simproc import SimProcess
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]  # relay delays, clock offsets
 
 SHIFT_NS = 200_000_000
 # The machine is shared (other suites run beside this one): the test's own processes run

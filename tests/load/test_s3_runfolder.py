@@ -22,7 +22,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from calculet_load.schema.fs import resolve_fs
-from tests.load.locustproc import LocustRun, free_port
+from tests.load.locustproc import LocustRun
+from tests.ports import free_port
 from tests.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(180)

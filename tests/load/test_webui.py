@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import pytest
 
 from calculet_load.schema.runfolder import read_records
+from tests.ports import free_port
 from tests.simproc import SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,12 +57,6 @@ RATE, NEW_RATE, BURST = 4.0, 10.0, 5
 START_DELAY_S = 4.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(cond: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -77,7 +71,7 @@ class LocustUI:
     """`locust -f locustfiles/calculet.py` with its web UI on a loopback port."""
 
     def __init__(self, tmp: Path, host: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
         self.log = tmp / "locust.log"

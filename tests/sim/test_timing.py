@@ -16,10 +16,15 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from tests.sim.helpers import device_ms, llama, median, parallel, prompt_ids, wait_steps
 from tests.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
+# real milliseconds measured against each other: run alone
+pytestmark = pytest.mark.serial
+
 QUIET = ("--set", "timing.jitter=0", "--set", "timing.warmup_extra_ms=0")
 
 
