@@ -41,6 +41,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
@@ -111,12 +112,8 @@ class Capacity:
         self.a = args
         self.door = door  # the backlog's Theil–Sen slope
         self.manifest = load_manifest(args.manifest)
-        target = self.manifest.target
-        self.url = (args.url or (target.url if target else "")).rstrip("/")
-        if not self.url:
-            raise ValueError("target: no --url and no target.url in the manifest")
-        self.protocol = target.protocol if target else "llama"
-        self.model = target.model if target else None
+        t = RunTarget.of(self.manifest, args.url, ValueError)
+        self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
         self.api = TargetAPI(self.url, self.token, operator="calculet-load-capacity")
         self.sla = load_sla(

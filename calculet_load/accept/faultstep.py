@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, RunStop
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, RunStop
 from calculet_load.faults.matrix import (
     ERROR,
     FAIL,
@@ -51,9 +51,9 @@ def run_fault_step(pipeline: FaultStepHost) -> None:
     )  # fmt: skip
     try:
         fm = FaultMatrix(opts)
-    except SystemExit:
-        log.write("faults", "end", code=EXIT_INVALID)
-        raise RunStop(EXIT_INVALID, f"faults: invalid scenarios in {scenarios}") from None
+    except RunStop as stop:
+        log.write("faults", "end", code=stop.code, reason=str(stop))
+        raise RunStop(stop.code, f"faults: invalid scenarios in {scenarios}: {stop}") from None
     code = fm.run()
     doc = fm.document()
     failed = [r["name"] for r in fm.results if r["verdict"] in (FAIL, ERROR)]

@@ -52,6 +52,7 @@ from calculet_load.drive.steps import (
     analyze,
     run_steps,
 )
+from calculet_load.drive.target import RunTarget
 from calculet_load.errors import (
     EXIT_FAIL,
     EXIT_INFRA,
@@ -152,13 +153,9 @@ class Pipeline:
             self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
         except (ManifestError, MatrixError) as exc:
             raise RunStop(EXIT_INVALID, str(exc)) from None
-        target = self.manifest.target
-        self.url = (opts.url or (target.url if target else "")).rstrip("/")
-        if not self.url:
-            raise RunStop(EXIT_INVALID, "target: no --url and no target.url in the manifest")
+        t = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
+        self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
-        self.protocol = target.protocol if target else "llama"
-        self.model = target.model if target else None
         self.run_dir = Path(opts.run_dir or Path("runs") / self.manifest.run_id)
         self.cells = self.matrix.expanded()
         self.plan: dict[str, Any] = {}

@@ -51,7 +51,8 @@ from typing import Any
 
 import gevent
 
-from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
+from calculet_load.drive.target import RunTarget
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.faults.actions import (
     PROBE_KEY,
     ActionFailed,
@@ -139,19 +140,15 @@ class FaultMatrix:
             self.scenarios = load_scenarios(opts.scenarios, opts.only)
             self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
         except (ManifestError, FaultSpecError, MatrixError) as exc:
-            raise SystemExit(_invalid(str(exc))) from None
-        target = self.manifest.target
-        self.url = (opts.url or (target.url if target else "")).rstrip("/")
-        if not self.url:
-            raise SystemExit(_invalid("target: no --url and no target.url in the manifest"))
-        self.protocol = target.protocol if target else "llama"
-        self.model = target.model if target else None
+            raise RunStop(EXIT_INVALID, str(exc)) from None
+        t = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
+        self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.run_dir = Path(opts.run_dir or Path("runs") / f"{self.manifest.run_id}")
         known = {s.name for s in self.scenarios}
         if opts.broken and opts.broken != ["all"]:
             unknown = sorted(set(opts.broken) - known - {"all"})
             if unknown:
-                raise SystemExit(_invalid(f"--broken: unknown scenario(s) {unknown}"))
+                raise RunStop(EXIT_INVALID, f"--broken: unknown scenario(s) {unknown}")
         self.run_started_wall_ns = opts.run_started_wall_ns or time.time_ns()
         auth = self.manifest.maintenance
         # an authorized run's admin calls carry the accountable operator (audit log, §12.4)
@@ -619,11 +616,6 @@ def _state_brief(st: dict[str, Any]) -> dict[str, Any]:
     return {k: st.get(k) for k in keys if k in st}
 
 
-def _invalid(message: str) -> int:
-    print(f"faults: {message}", file=sys.stderr)
-    return EXIT_INVALID
-
-
 # ---------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", required=True, help="run manifest YAML")
@@ -681,8 +673,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         fm = FaultMatrix(opts)
-    except SystemExit as exc:
-        return int(exc.code or EXIT_INVALID)
+    except RunStop as stop:  # the scenarios or the manifest cannot be run
+        print(f"faults: {stop}", file=sys.stderr)
+        return stop.code
     code = fm.run()
     doc = fm.document()
     s = doc["summary"]

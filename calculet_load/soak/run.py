@@ -64,8 +64,9 @@ import psutil
 
 from calculet_load.clock import wall_iso
 from calculet_load.doors import AnalysisDoor
-from calculet_load.drive.steps import EventLog
-from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK
+from calculet_load.drive.steps import EventLog, Step, run_steps
+from calculet_load.drive.target import RunTarget
+from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
 from calculet_load.measure.selfwatch import SelfWatch
@@ -114,12 +115,8 @@ class Soak:
         self.analysis = analysis  # the analysis, from calculet_load.commands (or none)
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
-        target = self.manifest.target
-        self.url = (args.url or (target.url if target else "")).rstrip("/")
-        if not self.url:
-            raise StageError("target: no --url and no target.url in the manifest")
-        self.protocol = target.protocol if target else "llama"
-        self.model = target.model if target else None
+        t = RunTarget.of(self.manifest, args.url, StageError)
+        self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
         self.state: dict[str, Any] | None = None
         if args.resume:
@@ -145,6 +142,7 @@ class Soak:
         self.counts: dict[str, int] = {"sent": 0, "ok": 0, "errors": 0, "dropped": 0}
         self.notes: list[str] = []
         self.terminating: int | None = None  # the signal that stopped the run
+        self.code = EXIT_OK  # the verdict's exit code
         self.senders = gevent.pool.Group()  # every greenlet that sends requests
         self.open_pool: gevent.pool.Pool | None = None  # the open loop's requests
         self.plan: dict[str, Any] = {}
@@ -283,11 +281,27 @@ class Soak:
                 w.cancel()
 
     def _run_stage(self, st: SoakStage) -> int:
+        """The stage as its steps (SOAK_STEPS); a stop (the target unreachable, a signal)
+        ends them with its exit code."""
+        try:
+            run_steps(SOAK_STEPS, self, self.events)
+        except RunStop as stop:
+            return stop.code
+        return self.code
+
+    def _if_stopped(self) -> None:
+        """After SIGTERM/SIGINT: a resumable state (`_stop`), and the steps end."""
+        if self.terminating is not None:
+            raise RunStop(self._stop(), "stopped by a signal")
+
+    def _open_stage(self) -> None:
+        """The target's health; a new plan and state, or the resumed ones and their gap."""
+        st = self.stage
         try:
             status, health = self.api.health()
         except OSError as exc:
             self.say(f"soak: target {self.url} unreachable: {exc}")
-            return EXIT_INFRA
+            raise RunStop(EXIT_INFRA, f"target {self.url} unreachable: {exc}") from None
         self.dscale = float(self.opts["duration_scale"])
         self.rate_target = float(self.opts["target_rate"])
         gap = None
@@ -350,11 +364,19 @@ class Soak:
                 f"scale {self.scale:g}; {st.load.kind} loop"
                 + (f" at {rate_real:.3g} req/s real" if st.load.kind == "open" else "")
             )
+
+    def _golden_before(self) -> None:
+        assert self.state is not None
         if self.golden and "golden_before" not in self.state:
             self.state["golden_before"] = self._golden("before")
             self._save_state()
-        if self.terminating is not None:
-            return self._stop()
+        self._if_stopped()
+
+    def _load_stage(self) -> None:
+        """The load to the planned end, with the samplers around it."""
+        st = self.stage
+        assert self.state is not None
+        duration_real = float(self.plan["run_duration_real_s"])
         warm = st.load.prewarm_connections + (st.bursts.size if st.bursts else 0)
         prewarmed = self.session.pool.prewarm(
             min(warm, st.load.max_in_flight + (st.bursts.size if st.bursts else 0))
@@ -408,8 +430,11 @@ class Soak:
             sampler.stop()
             self._collect_traces(final=True)
             self._client_sample()
-        if self.terminating is not None:
-            return self._stop()
+        self._if_stopped()
+
+    def _judge_stage(self) -> None:
+        """Golden after, the index, plan.json and the verdict (self.code)."""
+        assert self.state is not None
         self.state["status"] = "judging"
         self.attempt["load_ended_wall_ns"] = time.time_ns()
         self._save_state()
@@ -423,11 +448,10 @@ class Soak:
             (self.plan["ended_wall_ns"] - self.plan["started_wall_ns"]) / 1e9, 3
         )
         (self.run_dir / "plan.json").write_text(json.dumps(self.plan, indent=1, default=str))
-        code = self._verdict(self.state.get("golden_before"), golden_after)
+        self.code = self._verdict(self.state.get("golden_before"), golden_after)
         self.state["status"] = "done"
         self._save_state()
-        self._event("end", code=code)
-        return code
+        self._event("end", code=self.code)
 
     def _stop(self) -> int:
         """After SIGTERM/SIGINT: every record and sample on disk, a resumable state."""
@@ -691,7 +715,18 @@ class Soak:
         return j.code
 
 
+# The stage as steps (calculet_load.drive.steps); each writes its own `soak` rows.
+SOAK_STEPS: tuple[Step[Soak], ...] = (
+    Step("open", Soak._open_stage, logged=False),
+    Step("golden_before", Soak._golden_before, logged=False),
+    Step("load", Soak._load_stage, logged=False),
+    Step("judge", Soak._judge_stage, logged=False),
+)
+
+
 # ---------------------------------------------------------------------- CLI
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stage",
