@@ -16,17 +16,26 @@ Without the data a check needs (a probe has no index, no self-watch) it is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
-from analysis.judge.evidence import Evidence
+from analysis.judge.evidence import Evidence, not_evaluated, verdict_for
 from analysis.judge.rules import InfrastructureRules
-from analysis.judge.verdict import RuleClass, RuleVerdict, Status
+from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.quantiles import quantile
 
 __all__ = ["check_infrastructure"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """An infrastructure check as the verdict constructors see a rule."""
+
+    id: str
+    kind: str = "infrastructure"
 
 
 def _v(
@@ -38,32 +47,23 @@ def _v(
     reason: str,
     details: tuple[dict[str, Any], ...] = (),
 ) -> RuleVerdict:
-    return RuleVerdict(
-        rule,
-        "infrastructure",
-        RuleClass.INFRASTRUCTURE,
-        status,
-        observed,
-        threshold,
-        n,
-        reason,
-        details,
-    )
+    return verdict_for(_Check(rule), status, observed, threshold, n, reason, details)
+
+
+def _not_evaluated(rule: str, reason: str, threshold: Any = None, n: int = 0) -> RuleVerdict:
+    return not_evaluated(_Check(rule), reason, threshold=threshold, n=n)
 
 
 def _index(ev: Evidence, rules: InfrastructureRules, rid: str) -> RuleVerdict:
     index = ev.run.index
     if not rules.require_complete_index:
-        return _v(rid, Status.NOT_EVALUATED, None, None, 0, "disabled in the rules file")
+        return _not_evaluated(rid, "disabled in the rules file")
     if index is None:
-        return _v(
+        return _not_evaluated(
             rid,
-            Status.NOT_EVALUATED,
-            None,
-            "complete",
-            0,
             "no data: no client/index.json (a probe or a hand-made folder); completeness "
             "cannot be checked",
+            threshold="complete",
         )
     workers = [w for w in index.get("workers") or [] if isinstance(w, dict)]
     missing = [str(w.get("worker")) for w in workers if w.get("status") == "missing"]
@@ -105,11 +105,11 @@ def _fraction(
     rid: str, count: int, n: int, limit: float | None, what: str, fix: str, no_data: str | None
 ) -> RuleVerdict:
     if limit is None:
-        return _v(rid, Status.NOT_EVALUATED, None, None, n, "disabled in the rules file")
+        return _not_evaluated(rid, "disabled in the rules file", n=n)
     if no_data is not None:
-        return _v(rid, Status.NOT_EVALUATED, None, limit, n, f"no data: {no_data}")
+        return _not_evaluated(rid, f"no data: {no_data}", limit, n)
     if n == 0:
-        return _v(rid, Status.NOT_EVALUATED, None, limit, 0, "no data: no records to judge")
+        return _not_evaluated(rid, "no data: no records to judge", limit)
     share = count / n
     seen = f"{count} of {n} {what} ({share:.2%}); allowed {limit:.2%}"
     if share > limit:
@@ -119,13 +119,13 @@ def _fraction(
 
 def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:
     if limit is None:
-        return _v(rid, Status.NOT_EVALUATED, None, None, 0, "disabled in the rules file")
+        return _not_evaluated(rid, "disabled in the rules file")
     t = ev.table
     lag = t.column("ext.send_lag_ms")
     open_loop = pc.and_(pc.is_valid(lag), pc.invert(pc.fill_null(t.column("ext.dropped"), False)))
     values = np.asarray(pc.filter(lag, open_loop).to_numpy(zero_copy_only=False), dtype=float)
     if values.size == 0:
-        return _v(rid, Status.NOT_EVALUATED, None, limit, 0, "no data: no open-loop arrivals")
+        return _not_evaluated(rid, "no data: no open-loop arrivals", limit)
     p99 = quantile(values, 0.99)
     assert p99 is not None
     seen = f"send lag P99 {p99:.3f} ms over {values.size} arrivals; allowed {limit:g} ms"
