@@ -140,6 +140,7 @@ def test_release_refuses_a_target_serving_another_compiled_batch(
 
 
 # ------------------------------------------------------------------ B4 end to end
+@pytest.mark.serial  # each concurrency's requests must meet in one batch: a busy client splits them
 def test_batch_b4_run_end_to_end_takes_b_from_the_manifest(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
