@@ -89,17 +89,22 @@ class Step(Generic[C]):
     when: Callable[[C], bool] = lambda _: True
 
 
-def run_steps(steps: Sequence[Step[C]], context: C, log: EventLog) -> dict[str, StepResult]:
-    """Run the steps in order on `context`, each logged; their results by name. A
-    `RunStop` from a step ends the sequence (the driver records it)."""
+def run_steps(
+    steps: Sequence[Step[C]], context: C, log: EventLog | None = None
+) -> dict[str, StepResult]:
+    """Run the steps in order on `context`, each logged (when the run has a `log`); their
+    results by name. A `RunStop` from a step ends the sequence (the driver records it)."""
     results: dict[str, StepResult] = {}
     for step in steps:
         if not step.when(context):
             continue
-        if step.logged:
+        logged = step.logged and log is not None
+        if logged:
+            assert log is not None
             log.write(step.name, "start")
         result = step.run(context) or StepResult.ok()
-        if step.logged:
+        if logged:
+            assert log is not None
             log.end(step.name, result)
         results[step.name] = result
     return results

@@ -51,6 +51,7 @@ from typing import Any
 
 import gevent
 
+from calculet_load.drive.steps import Step, run_steps
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.faults.actions import (
@@ -231,6 +232,10 @@ class FaultMatrix:
         return self.code
 
     def _all(self) -> None:
+        run_steps(FAULT_STEPS, self)
+
+    def _fault_api(self) -> None:
+        """The target's fault API answers this token (else: infrastructure, exit 3)."""
         try:
             status, body = self.api.json("GET", "/admin/faults")
         except OSError as exc:
@@ -242,6 +247,9 @@ class FaultMatrix:
                 403: "the admin token was rejected",
             }.get(status, str(body)[:200])
             raise _Infra(f"GET /admin/faults: HTTP {status}: {hint}")
+
+    def _target_facts(self) -> None:
+        """The target's time scale and context length, which the scenarios scale by."""
         state = self.api.state()
         self.scale = self.o.time_scale or float(state.get("time_scale") or 1.0)
         try:
@@ -253,6 +261,9 @@ class FaultMatrix:
             f"fault matrix: {len(self.scenarios)} scenario(s) against {self.url} "
             f"(time scale {self.scale:g}, max context {self.max_context})"
         )
+
+    def _scenarios(self) -> None:
+        """Each scenario in order: skipped, not run (not authorized) or run and judged."""
         stopped = False
         for sc in self.scenarios:
             if sc.stops_target and not self.o.allow_stop:
@@ -570,6 +581,15 @@ class FaultMatrix:
         tmp = self.run_dir / "faults.json.tmp"
         tmp.write_text(json.dumps(doc, indent=1, default=str))
         tmp.replace(self.run_dir / "faults.json")
+
+
+# The matrix as steps (calculet_load.drive.steps): logged by the caller's step (accept's
+# `faults` rows) and in faults.json, not one by one.
+FAULT_STEPS: tuple[Step[FaultMatrix], ...] = (
+    Step("fault_api", FaultMatrix._fault_api, logged=False),
+    Step("target", FaultMatrix._target_facts, logged=False),
+    Step("scenarios", FaultMatrix._scenarios, logged=False),
+)
 
 
 def _keys(sc: FaultScenario) -> Iterator[tuple[int, int, int]]:

@@ -65,6 +65,12 @@ def test_each_step_runs_in_order_and_its_outcome_is_logged(tmp_path: Path) -> No
     assert all(isinstance(r["wall_ns"], int) for r in rows)
 
 
+def test_without_a_log_the_steps_still_run() -> None:
+    ctx = Ctx(admin=True)
+    results = run_steps(STEPS, ctx)  # the fault matrix on its own: faults.json says it
+    assert ctx.done == ["admin", "own", "load"] and results["admin"].detail == {"checked": True}
+
+
 def test_a_run_stop_ends_the_sequence(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "events.jsonl")
     ctx = Ctx(admin=True)
