@@ -107,6 +107,7 @@ def _cell_info(s: CellSummary, *, is_boundary: bool = False) -> dict[str, Any]:
         "cancelled": s.cancelled,
         "dropped": s.dropped,
         "cut_at_stop": s.cut_at_stop,
+        "served_from_cache": s.served_from_cache,
         "excluded_by_reason": s.excluded_by_reason,
         "steady_output_tokens_per_s": s.steady_output_tokens_per_s,
         "steady_requests_per_s": s.steady_requests_per_s,

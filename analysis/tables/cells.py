@@ -129,6 +129,10 @@ class CellSummary:
     steady_requests_per_s: float | None
     steady_window_s: float | None
     metrics: dict[str, CellStats] = field(default_factory=dict)
+    # requests the server served partly from its prefix cache beyond the prompt's shared
+    # part (ext.cached_tokens > ext.prompt_unique_from): their TTFT is not a cold prefill
+    served_from_cache: int = 0
+    cached_tokens: int = 0
 
     @property
     def error_rate(self) -> float | None:
@@ -144,6 +148,20 @@ def _np(col: Any, dtype: Any, fill: Any) -> npt.NDArray[Any]:
 
 def _valid(col: Any) -> BoolArray:
     return np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _cache_use(table: pa.Table) -> tuple[IntArray, BoolArray]:
+    """Per row: prompt tokens the server served from cache, and whether that is more
+    than the part every request shares (a chat template); a reused prompt shares all."""
+    names = table.column_names
+    if "ext.cached_tokens" not in names:
+        zeros = np.zeros(table.num_rows, dtype=np.int64)
+        return zeros, zeros.astype(bool)
+    cached = _np(table.column("ext.cached_tokens"), np.int64, 0)
+    shared = np.zeros(table.num_rows, dtype=np.int64)
+    if "ext.prompt_unique_from" in names:
+        shared = _np(table.column("ext.prompt_unique_from"), np.int64, 0)
+    return cached, cached > shared
 
 
 def _sort_key(k: CellKey) -> tuple[Any, ...]:
@@ -358,6 +376,7 @@ def summarize_cells(
         r.value: excluded & _np(pc.match_substring(reasons, r.value), bool, False) for r in Reason
     }
     groups = {(key, p): g for g, key, p, _ in cells.each()}
+    cached, from_cache = _cache_use(table)
     cell_index = {k: i for i, k in enumerate(cells.keys)}
     summaries = []
     last_report = -math.inf
@@ -393,6 +412,8 @@ def summarize_cells(
                 steady_output_tokens_per_s=rate,
                 steady_requests_per_s=rps,
                 steady_window_s=window_s,
+                served_from_cache=int(np.count_nonzero(from_cache[rows])),
+                cached_tokens=int(cached[rows].sum()),
                 metrics={
                     name: summarize(
                         values,

@@ -111,6 +111,15 @@ def cdf_points(values: npt.NDArray[np.float64], max_points: int = 200) -> tuple[
     return v[k], (k + 1) / n
 
 
+def _from_cache(r: dict[str, Any]) -> str:
+    """Requests served from the server's prefix cache (beyond the shared template): a
+    flag, since their TTFT is not a cold prefill."""
+    n = r.get("served_from_cache") or 0
+    if not n:
+        return fmt_int(0) if r.get("served_from_cache") is not None else DASH
+    return f"⚠ {fmt_int(n)} ({fmt_int(r.get('cached_tokens') or 0)} tokens)"
+
+
 def _overview(rows: list[dict[str, Any]]) -> Any:
     seen: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
@@ -131,6 +140,7 @@ def _overview(rows: list[dict[str, Any]]) -> Any:
                 fmt_int(r["cancelled"]),
                 fmt_int(r["dropped"]),
                 fmt_int(r["cut_at_stop"]),
+                _from_cache(r),
                 ", ".join(f"{k} {v}" for k, v in sorted(excluded.items()) if v) or DASH,
                 fmt_num(r["steady_output_tokens_per_s"]),
                 fmt_num(r["steady_requests_per_s"]),
@@ -149,6 +159,7 @@ def _overview(rows: list[dict[str, Any]]) -> Any:
             "cancelled",
             "dropped",
             "cut at stop",
+            "from cache",
             "excluded",
             "tokens/s",
             "requests/s",
@@ -157,7 +168,8 @@ def _overview(rows: list[dict[str, Any]]) -> Any:
         out,
         name="cells",
         caption="counts per cell and partition; throughput over the steady-state window "
-        "(not a mean of per-request rates)",
+        "(not a mean of per-request rates); ⚠ from cache: requests the server served partly "
+        "from its prefix cache beyond the prompt's shared part (their TTFT is no cold prefill)",
         numeric=(
             False,
             False,
@@ -169,6 +181,7 @@ def _overview(rows: list[dict[str, Any]]) -> Any:
             True,
             True,
             True,
+            False,
             False,
             True,
             True,

@@ -44,7 +44,7 @@ from calculet_load.doors import AnalysisDoor
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
+from calculet_load.measure.prompts import Prompt, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, load_manifest
@@ -148,11 +148,10 @@ class Capacity:
             max_in_flight=self.a.max_in_flight + 64,
             timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
             sink=self.sink,
+            prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
         )
-        tokenize = http_tokenizer(self.url)
-        self.factory = PromptFactory(
-            lambda body: off_loop(lambda: tokenize(body)),
-            mode="chat" if self.protocol == "openai-chat" else "ids",
+        self.factory = target_prompts(
+            self.url, self.protocol, self.manifest.target, off_loop=off_loop
         )
         self.prompts: dict[tuple[int, int], Prompt] = {}
         try:

@@ -61,7 +61,7 @@ from calculet_load.errors import (
     RunStop,
 )
 from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.measure.sink import PartSink
@@ -220,15 +220,14 @@ class Pipeline:
             max_in_flight=1024,
             timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
             sink=self.sink,
+            prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
         )
         self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
         self.watch.start()
         self.clients: Any = InProcess(CellRunner(self.session, self._prompt))
         self.prompts: dict[tuple[int, int], Prompt] = {}
-        tokenize = http_tokenizer(self.url)
-        self.factory = PromptFactory(
-            lambda body: off_loop(lambda: tokenize(body)),
-            mode="chat" if self.protocol == "openai-chat" else "ids",
+        self.factory = target_prompts(
+            self.url, self.protocol, self.manifest.target, off_loop=off_loop
         )
         return resumed
 
@@ -577,8 +576,12 @@ class Pipeline:
     def _job(self) -> dict[str, Any]:
         """What a worker of a distributed run needs to send on this run's behalf."""
         ctx = dataclasses.asdict(RunContext.from_manifest(self.manifest, self.worker))
+        t = self.manifest.target
         target = {"url": self.url, "protocol": self.protocol, "model": self.model,
-                  "timeout_s": self.manifest.timeout_s}  # fmt: skip
+                  "timeout_s": self.manifest.timeout_s,
+                  "profile": t.profile if t else "calculet",
+                  "tokenizer": t.tokenizer if t else None,
+                  "prompt_reuse": bool(t and t.prompt_reuse)}  # fmt: skip
         return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
 
     # --------------------------------------------------------------- 7 resources

@@ -15,14 +15,17 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.prompts import WorkloadError, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink, SinkStats, sink_status
 from calculet_load.schema.access import AccessError, access_from, add_access_arguments
 from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.schema.profiles import PROFILE_NAMES, profile_named
 from calculet_load.schema.records import record_to_dict
+from calculet_load.target.describe import discover_model
 
 _STAMPS = (
     ("t0", "request_start", "request start"),
@@ -48,7 +51,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="target protocol (default: the manifest's, else llama)",
     )
     p.add_argument("--manifest", help="run manifest (YAML); supplies run id and provenance")
-    p.add_argument("--model", help="model name to send (OpenAI protocols)")
+    p.add_argument(
+        "--model",
+        help="model name to send (OpenAI protocols; default: the manifest's, else the first "
+        "one the target lists)",
+    )
+    p.add_argument(
+        "--target-profile",
+        choices=PROFILE_NAMES,
+        help="what kind of server the target is (default: the manifest's, else calculet)",
+    )
+    p.add_argument("--tokenizer", help="a local tokenizer.json that sizes the prompt")
+    p.add_argument(
+        "--prompt-reuse",
+        action="store_true",
+        help="send the prompt as built, not made unique (cache studies)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128, help="exact prompt length")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens to request")
     p.add_argument("--sample", type=int, default=0, help="corpus sample index")
@@ -92,10 +110,16 @@ def run(args: argparse.Namespace) -> int:
     timeout = args.timeout or (manifest.timeout_s if manifest is not None else 900.0)
     timeouts = Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout)
     try:
-        factory = PromptFactory(
-            http_tokenizer(access), mode="chat" if protocol == "openai-chat" else "ids"
+        profile = profile_named(
+            args.target_profile or (target.profile if target else None) or "calculet"
+        )
+        tokenizer = args.tokenizer or (target.tokenizer if target else None)
+        factory = target_prompts(
+            access, protocol, SimpleNamespace(profile=profile.name, tokenizer=tokenizer)
         )
         prompt = factory.prompt(args.prompt_tokens, args.sample)
+        if model is None and protocol != "llama":
+            model = discover_model(access, profile)
     except WorkloadError as exc:
         print(f"probe: {exc}", file=sys.stderr)
         return 2
@@ -103,7 +127,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"probe: cannot reach {url} for /tokenize: {exc}", file=sys.stderr)
         return 3
     sink = PartSink(run_dir, "probe")
-    session = Session(ctx, access, protocol, model=model, timeouts=timeouts, sink=sink)
+    reuse = bool(args.prompt_reuse or (target and target.prompt_reuse))
+    session = Session(
+        ctx, access, protocol, model=model, timeouts=timeouts, sink=sink, prompt_reuse=reuse
+    )
     spec = RequestSpec(
         prompt=prompt,
         max_tokens=args.max_tokens,
@@ -127,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"probe {protocol} {url}  request {record.request_id}")
     print(f"  prompt {prompt.tokens} tokens ({prompt.sample_id}), max_tokens {args.max_tokens}")
+    unique = record.ext.prompt_unique_from
+    print(
+        f"  prompt counted by {prompt.count_source}; "
+        + ("reused as built" if unique is None else f"unique from token {unique}")
+    )
     t0 = record.client_ns.request_start
     prev = t0
     for label, field, meaning in _STAMPS:
@@ -149,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if e.count_anomaly:
         print(f"  count anomaly: {e.count_anomaly}")
+    if e.cached_tokens is not None:
+        print(f"  server cache: {e.cached_tokens} prompt tokens served from cache")
     if out.timings:
         shown = ", ".join(f"{k}={v}" for k, v in out.timings.items())
         print(f"  server timings: {shown}")

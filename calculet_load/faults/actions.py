@@ -96,6 +96,7 @@ def send_one(
         stream=stream,
         cell=f"fault:{run.sc.name}:{group}",
         arrival="fault",
+        reuse=key is not None,  # compared with the reference output of the same prompt
     )
     session = fm.session(None if timeout_s is None else fm.real(timeout_s))
     t0 = time.monotonic()

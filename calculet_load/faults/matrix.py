@@ -76,7 +76,7 @@ from calculet_load.faults.maintenance import (
 from calculet_load.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
 from calculet_load.faults.spec import FaultScenario, FaultSpecError, load_scenarios
 from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
@@ -210,10 +210,8 @@ class FaultMatrix:
         self.sink = PartSink(str(out), self.o.worker)
         self.ids = itertools.count(1)
         self.sessions: dict[float | None, Session] = {}
-        tokenize = http_tokenizer(self.url)
-        self.factory = PromptFactory(
-            lambda body: off_loop(lambda: tokenize(body)),
-            mode="chat" if self.protocol == "openai-chat" else "ids",
+        self.factory = target_prompts(
+            self.url, self.protocol, self.manifest.target, off_loop=off_loop
         )
         started = time.time_ns()
         try:
@@ -444,6 +442,7 @@ class FaultMatrix:
             stream=False,
             cell="fault:reference",
             arrival="fault",
+            reuse=True,
         )
         _, out = self.session(None).send(spec)
         if out.ok and out.output_tokens == n:
@@ -528,6 +527,7 @@ class FaultMatrix:
                 stream=False,
                 cell="fault:golden_after",
                 arrival="fault",
+                reuse=True,
             )
             _, out = self.session(None).send(spec)
             checked += 1
@@ -544,6 +544,7 @@ class FaultMatrix:
                 seed=case.seed,
                 cell=f"fault:golden:{case.name}",
                 arrival="fault",
+                reuse=True,
             )
             _, out = self.session(None).send(spec)
             checked += 1

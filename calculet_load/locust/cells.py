@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gevent
@@ -55,7 +56,7 @@ from locust.runners import STATE_MISSING, MasterRunner, WorkerRunner
 from calculet_load.clock import clock_provenance
 from calculet_load.locust.clocksync import LOCAL, ClockSync
 from calculet_load.measure.client import Timeouts
-from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -329,11 +330,15 @@ class Agent:
             max_in_flight=1024,
             timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
             sink=self.sink,
+            prompt_reuse=bool(target.get("prompt_reuse")),
         )
         self.watch = SelfWatch(self.sink, self.name, in_flight=lambda: self.session.in_flight)
         self.watch.start()
-        mode = "chat" if target["protocol"] == "openai-chat" else "ids"
-        self.factory = PromptFactory(http_tokenizer(target["url"]), mode=mode)
+        self.factory = target_prompts(
+            target["url"],
+            target["protocol"],
+            SimpleNamespace(profile=target.get("profile"), tokenizer=target.get("tokenizer")),
+        )
         self.prompts: dict[tuple[int, int], Prompt] = {}
         self.cells = CellRunner(self.session, self.prompt)
         self.pending: dict[str, Share] = {}

@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import gevent
@@ -30,7 +31,7 @@ from calculet_load.locust import clocksync as locust_clocksync
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable, cell_name
 from calculet_load.measure.client import Outcome, Timeouts
-from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, http_tokenizer
+from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -148,6 +149,7 @@ class Worker:
             max_in_flight=max(int(self.opts.max_in_flight), 1) + 64,
             timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
             sink=self.sink,
+            prompt_reuse=bool(self.opts.prompt_reuse),
         )
         self.session.hooks.append(self._on_record)
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))
@@ -191,9 +193,12 @@ class Worker:
         p = self._prompts.get(key)
         if p is None:
             if self._factory is None:
-                mode = "chat" if self.opts.protocol == "openai-chat" else "ids"
-                self._factory = PromptFactory(
-                    http_tokenizer(self.session.pool.endpoint.access), mode=mode
+                self._factory = target_prompts(
+                    self.session.pool.endpoint.access,
+                    self.opts.protocol,
+                    SimpleNamespace(
+                        profile=self.opts.target_profile, tokenizer=self.opts.tokenizer
+                    ),
                 )
             p = self._prompts[key] = self._factory.prompt(tokens, sample)
         return p

@@ -232,6 +232,7 @@ class Outcome:
     max_events_per_read: int = 0
     token_events: list[TokenEvent] = dataclasses.field(default_factory=list)
     timings: dict[str, Any] | None = None
+    cached_tokens: int | None = None  # prompt tokens the server served from its cache
     connection_reused: bool | None = None
     cancelled_at: str | None = None
     nonfinite: bool = False
@@ -347,6 +348,8 @@ class _Run:
             out.prompt_tokens_server = info.prompt_tokens
         if info.timings is not None:
             out.timings = info.timings
+        if info.cached_tokens is not None:
+            out.cached_tokens = info.cached_tokens
         if info.done:
             self.done = True
         out.count_source = self.count.source

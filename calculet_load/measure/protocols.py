@@ -67,6 +67,7 @@ class EventInfo:
     nonfinite: bool = False
     count_source: str | None = None  # whole responses: where the token count came from
     count_anomaly: str | None = None  # the count is not to be trusted as is: why
+    cached_tokens: int | None = None  # prompt tokens served from the server's cache
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,6 +126,18 @@ def _str(obj: dict[str, Any], key: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ProtocolError("protocol_violation", f"{key}: expected a string", raw_text(value))
     return value
+
+
+def _cached_tokens(obj: dict[str, Any]) -> int | None:
+    """Prompt tokens the server served from its prefix cache, where it says so:
+    `usage.prompt_tokens_details.cached_tokens` (OpenAI, vLLM, SGLang, llama.cpp) or
+    `timings.cache_n` (llama.cpp)."""
+    usage = obj.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = _int(details, "cached_tokens") if isinstance(details, dict) else None
+    if cached is None and isinstance(obj.get("timings"), dict):
+        cached = _int(obj["timings"], "cache_n")
+    return cached
 
 
 def _error_of(obj: dict[str, Any]) -> tuple[str, str] | None:
@@ -275,6 +288,7 @@ class OpenAIAdapter(Adapter):
         timings = obj.get("timings")
         if isinstance(timings, dict):
             info.timings = timings
+        info.cached_tokens = _cached_tokens(obj)
         return info
 
     def whole(self, body: bytes) -> EventInfo:
@@ -311,6 +325,10 @@ class OpenAIAdapter(Adapter):
             info.final_total = info.tokens = info.cumulative = total
             info.count_source = "usage"
         info.prompt_tokens = _int(usage, "prompt_tokens")
+        info.cached_tokens = _cached_tokens(obj)
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            info.timings = timings
         return info
 
 
@@ -373,6 +391,7 @@ class LlamaAdapter(Adapter):
             if isinstance(timings, dict):
                 info.timings = timings
                 info.final_total = _int(timings, "predicted_n")
+                info.cached_tokens = _int(timings, "cache_n")
             if info.final_total is None:
                 info.final_total = predicted
             stop_type = obj.get("stop_type")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from calculet_load.measure.client import (
     execute,
 )
 from calculet_load.measure.durations import durations
-from calculet_load.measure.prompts import Prompt
+from calculet_load.measure.prompts import Prompt, nonce_salt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.access import TargetAccess
@@ -101,6 +102,9 @@ class RequestSpec:
     burst_id: str | None = None
     warmup: bool = False
     cancel: CancelAt = None
+    # send the prompt as built (golden and reference requests, whose outputs are
+    # compared): no per-request nonce
+    reuse: bool = False
 
     @property
     def sampling(self) -> str:
@@ -117,6 +121,7 @@ def golden_spec(case: Any, prompt: Prompt, cell: str) -> RequestSpec:
         cell=cell,
         concurrency=1,
         arrival="single",
+        reuse=True,
     )
 
 
@@ -135,7 +140,13 @@ def clock_complete(ns: ClientNs, tokens: int, ok: bool, wall_anchor: int | None)
     return all(a <= b for a, b in itertools.pairwise(need))  # type: ignore[operator]
 
 
-def make_record(ctx: RunContext, spec: RequestSpec, out: Outcome, protocol: str) -> RequestRecord:
+def make_record(
+    ctx: RunContext,
+    spec: RequestSpec,
+    out: Outcome,
+    protocol: str,
+    unique_from: int | None = None,
+) -> RequestRecord:
     ns = out.client_ns
     t0 = ns.request_start
     late_ms = (
@@ -213,6 +224,9 @@ def make_record(ctx: RunContext, spec: RequestSpec, out: Outcome, protocol: str)
             nonfinite_field=out.nonfinite,
             invalid_value=out.invalid_value,
             count_anomaly=out.count_anomaly,
+            prompt_count_source=spec.prompt.count_source,
+            prompt_unique_from=unique_from,
+            cached_tokens=out.cached_tokens,
             event_reads=out.event_reads if out.events else None,
             max_events_per_read=out.max_events_per_read if out.events else None,
         ),
@@ -227,6 +241,12 @@ def _partial(out: Outcome) -> Any:
 
 
 RecordHook = Callable[[RequestRecord, Outcome], None]
+
+# The nonce's sequence number is drawn per process, not per session: sessions that share
+# a run context (one per timeout in the fault matrix, one per test) never send the same
+# nonce. The salt adds this process's randomness, so neither do two runs of one run id.
+_SENDS = itertools.count(0)
+_PROCESS_SALT = os.urandom(8).hex()
 
 
 def _token_hook() -> Callable[[TokenEvent], None]:
@@ -258,8 +278,12 @@ class Session:
         sink: PartSink | None = None,
         clock: Clock | None = None,
         output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
+        prompt_reuse: bool = False,
     ) -> None:
         self.ctx = ctx
+        # Unique prompts unless reuse is asked for (a cache study): see measure.prompts.
+        self.prompt_reuse = prompt_reuse
+        self._salt = nonce_salt(ctx.run_id, ctx.worker, _PROCESS_SALT)
         self.output_slack_tokens = output_slack_tokens
         self.adapter = adapter_for(protocol)
         self.protocol = protocol
@@ -276,8 +300,13 @@ class Session:
         return f"{self.ctx.run_id}.{self.ctx.worker}.{next(self._seq):08d}"
 
     def send(self, spec: RequestSpec) -> tuple[RequestRecord, Outcome]:
+        seq = next(_SENDS)
+        payload, unique_from = spec.prompt.payload, None
+        nonce = spec.prompt.nonce
+        if nonce is not None and not (spec.reuse or self.prompt_reuse):
+            payload, unique_from = nonce.apply(payload, seq, self._salt), spec.prompt.unique_from
         body = self.adapter.body(
-            spec.prompt.payload,
+            payload,
             spec.max_tokens,
             stream=spec.stream,
             model=self.model,
@@ -304,14 +333,14 @@ class Session:
         except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
             cut: Outcome | None = getattr(exc, "outcome", None)
             if cut is not None:
-                self._finish(spec, cut)
+                self._finish(spec, cut, unique_from)
             raise
         finally:
             self.in_flight -= 1
-        return self._finish(spec, out), out
+        return self._finish(spec, out, unique_from), out
 
-    def _finish(self, spec: RequestSpec, out: Outcome) -> RequestRecord:
-        record = make_record(self.ctx, spec, out, self.protocol)
+    def _finish(self, spec: RequestSpec, out: Outcome, unique_from: int | None) -> RequestRecord:
+        record = make_record(self.ctx, spec, out, self.protocol, unique_from)
         if self.sink is not None:
             self.sink.add(record, out.token_events)
         for hook in self.hooks:

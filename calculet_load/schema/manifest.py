@@ -15,6 +15,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validato
 
 from calculet_load.configfile import read_yaml, validate
 from calculet_load.schema.access import parse_header, secret_header
+from calculet_load.schema.profiles import ProfileName
 
 MANIFEST_SCHEMA = "calculet-perf-run/v1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -67,6 +68,11 @@ class Target(_Section):
     url: str = Field(pattern=r"^https?://")  # may carry a base path (schema.access)
     protocol: Literal["openai-chat", "openai-completions", "llama"] = "llama"
     model: str | None = None
+    # what kind of server it is (calculet_load.schema.profiles): how prompts are sized,
+    # which of Calculet's own endpoints it has
+    profile: ProfileName = "calculet"
+    tokenizer: str | None = None  # a local tokenizer.json that sizes prompts instead
+    prompt_reuse: bool = False  # send prompts as built (cache studies); default: unique
     # how to reach it (calculet_load.schema.access): TLS, headers and the API key; the key
     # only by the file or environment variable that holds it, never inline
     ca_file: str | None = None

@@ -139,6 +139,9 @@ class Ext:
     nonfinite_field: bool = False
     invalid_value: str | None = None  # a failure's offending raw value, bounded text
     count_anomaly: str | None = None  # why the token count was flagged (mismatch)
+    prompt_count_source: str | None = None  # who counted the prompt's tokens (tokenizer)
+    prompt_unique_from: int | None = None  # first token that differs per request; null: reused
+    cached_tokens: int | None = None  # prompt tokens the server served from its cache
     event_reads: int | None = None  # reads that delivered the events (few: coalesced)
     max_events_per_read: int | None = None  # the most events one read delivered
 
@@ -148,6 +151,9 @@ class Ext:
 ADDED_REQUEST_COLUMNS = (
     "ext.invalid_value",
     "ext.count_anomaly",
+    "ext.prompt_count_source",
+    "ext.prompt_unique_from",
+    "ext.cached_tokens",
     "ext.event_reads",
     "ext.max_events_per_read",
 )

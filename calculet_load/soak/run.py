@@ -68,7 +68,7 @@ from calculet_load.drive.steps import EventLog, Step, run_steps
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
+from calculet_load.measure.prompts import Prompt, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.measure.sink import PartSink
@@ -235,12 +235,11 @@ class Soak:
             max_in_flight=4096,
             timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
             sink=self.sink,
+            prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
         )
         self.session.hooks.append(self._count)
-        tokenize = http_tokenizer(self.url)
-        self.factory = PromptFactory(
-            lambda body: off_loop(lambda: tokenize(body)),
-            mode="chat" if self.protocol == "openai-chat" else "ids",
+        self.factory = target_prompts(
+            self.url, self.protocol, self.manifest.target, off_loop=off_loop
         )
         self.prompts: dict[tuple[int, int], Prompt] = {}
         self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)

@@ -1,0 +1,174 @@
+"""Against a real llama.cpp `llama-server` (tests/llamacpp.py builds it once per machine):
+exact prompt lengths for all three protocols, output counts equal to the server's own,
+prompts no prefix cache can serve, and a plain Locust run.
+
+The model has random weights, so its tokens are arbitrary pieces of the real Qwen2
+vocabulary (multi-byte characters included): what a client's counting must survive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow.compute as pc
+import pytest
+
+from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.prompts import (
+    LocalTokenizer,
+    PromptFactory,
+    sample_words,
+    target_prompts,
+)
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from tests.llamacpp import LlamaServer, tokenizer_path
+from tests.load.locustproc import LocustRun
+
+PROTOCOLS = ("llama", "openai-completions", "openai-chat")
+LLAMA = SimpleNamespace(profile="llama.cpp", tokenizer=None)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    with LlamaServer(tmp_path_factory.mktemp("llama"), parallel=4, ctx=16384) as server:
+        yield server
+
+
+def _session(url: str, protocol: str, *, reuse: bool = False) -> Session:
+    t = Timeouts(connect_s=5.0, total_s=60.0, first_byte_s=60.0)
+    return Session(RunContext("llama-test", "w00"), url, protocol, timeouts=t, prompt_reuse=reuse)
+
+
+def _send(session: Session, prompt: Any, max_tokens: int, stream: bool = True) -> Any:
+    spec = RequestSpec(prompt=prompt, max_tokens=max_tokens, stream=stream, cell="t")
+    return run_in_greenlet(lambda: session.send(spec))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_exact_prompts_and_the_servers_own_counts(
+    llama: LlamaServer, protocol: str, stream: bool
+) -> None:
+    factory = target_prompts(llama.url, protocol, LLAMA)
+    session = _session(llama.url, protocol)
+    try:
+        for tokens, sample, max_tokens in ((64, 0, 24), (700, 1, 40), (33, 2, 1)):
+            prompt = factory.prompt(tokens, sample)
+            record, out = _send(session, prompt, max_tokens, stream)
+            e = record.ext
+            assert out.ok, (out.error_class, out.error_detail)
+            # the server counted exactly the prompt we sized, template tokens included
+            assert e.server_prompt_tokens == tokens, (protocol, tokens, e.server_prompt_tokens)
+            # the output count is the server's: timings.predicted_n / usage.completion_tokens
+            assert e.server_output_tokens == max_tokens  # ignore_eos: every token asked for
+            if out.timings is not None and "predicted_n" in out.timings:
+                assert out.timings["predicted_n"] == max_tokens
+            assert record.workload.actual_output_tokens == max_tokens
+            assert not e.token_count_mismatch, e.count_anomaly
+            if stream:
+                assert sum(ev.tokens for ev in out.token_events) <= max_tokens
+                assert record.durations_ms.ttft is not None
+            # a fresh, unique prompt: nothing served from cache beyond the chat template
+            assert e.cached_tokens is not None
+            assert e.prompt_unique_from is not None
+            assert e.cached_tokens <= e.prompt_unique_from, (e.cached_tokens, e.prompt_unique_from)
+            if protocol != "openai-chat":
+                assert e.prompt_unique_from == 0 and e.cached_tokens == 0
+            assert e.prompt_count_source == (
+                "server:/apply-template+/tokenize"
+                if protocol == "openai-chat"
+                else "server:/tokenize"
+            )
+    finally:
+        session.close()
+
+
+def test_unique_prompts_defeat_the_prefix_cache_and_reuse_hits_it(llama: LlamaServer) -> None:
+    """The issue's finding: the same prompt twice is served from llama.cpp's cache
+    (cache_n = 63 of 64). Unique prompts (the default) never are; --prompt-reuse is."""
+    protocol = "openai-completions"
+    factory = target_prompts(llama.url, protocol, LLAMA)
+    prompt = factory.prompt(64, 5)
+    cached: dict[bool, list[int]] = {}
+    for reuse in (False, True):
+        session = _session(llama.url, protocol, reuse=reuse)
+        try:
+            records = [_send(session, prompt, 4)[0] for _ in range(4)]
+        finally:
+            session.close()
+        assert all(r.result.http_status == 200 for r in records)
+        cached[reuse] = [r.ext.cached_tokens for r in records]
+        unique = {r.ext.prompt_unique_from for r in records}
+        assert unique == ({None} if reuse else {0})
+    assert cached[False] == [0, 0, 0, 0]
+    assert min(cached[True][1:]) >= 60, cached[True]  # the cache serves a reused prompt
+
+
+def test_chat_prompts_differ_right_after_the_template(llama: LlamaServer) -> None:
+    factory = target_prompts(llama.url, "openai-chat", LLAMA)
+    session = _session(llama.url, "openai-chat")
+    try:
+        records = [_send(session, factory.prompt(96, 3), 2)[0] for _ in range(5)]
+    finally:
+        session.close()
+    fixed = {r.ext.prompt_unique_from for r in records}
+    assert len(fixed) == 1 and 0 < fixed.pop() < 96  # the chat template's fixed prefix
+    # llama.cpp serves the shared template from its cache, and nothing more
+    assert all(r.ext.cached_tokens <= r.ext.prompt_unique_from for r in records)
+    assert all(r.ext.server_prompt_tokens == 96 for r in records)
+
+
+def test_a_local_tokenizer_counts_as_the_server_does(llama: LlamaServer) -> None:
+    """--tokenizer: a Hugging Face tokenizer.json of the same vocabulary (with its chat
+    template) sizes prompts the server then counts the same, for text and for chat."""
+    local = LocalTokenizer(tokenizer_path())
+    server = target_prompts(llama.url, "openai-chat", LLAMA).tokenize
+    texts = [
+        " ".join(sample_words(0, 7, 400)),
+        "héllo wörld 你好 123456 \n\n  spaced  ",
+        "it's a <|im_start|> test",
+    ]
+    for text in texts:
+        assert local({"content": text}) == server({"content": text, "add_special": False})
+        chat = {"messages": [{"role": "user", "content": text}]}
+        assert local(chat) == server(chat)
+    factory = PromptFactory(local, mode="chat")
+    session = _session(llama.url, "openai-chat")
+    try:
+        record, out = _send(session, factory.prompt(150, 4), 8)
+    finally:
+        session.close()
+    assert out.ok and record.ext.server_prompt_tokens == 150
+    assert record.ext.prompt_count_source == "local:tokenizer.json"
+
+
+def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
+    llama: LlamaServer, tmp_path: Path
+) -> None:
+    run = LocustRun(
+        tmp_path,
+        llama.url,
+        [
+            *("--protocol", "openai-completions", "--target-profile", "llama.cpp"),
+            *("--arrival", "constant", "--rate", "10", "--start-delay", "1"),
+            *("--prompt-tokens", "64", "--max-tokens", "8", "-u", "2", "-r", "2"),
+        ],
+        workers=2,
+        run_time_s=6.0,
+    ).start()
+    try:
+        assert run.wait(120) == 0, run.log_text()
+    finally:
+        run.stop()
+    t = run.requests()
+    sent = t.filter(pc.invert(pc.fill_null(t.column("ext.dropped"), False)))
+    done = sent.filter(pc.is_null(sent.column("ext.error_class")))
+    assert done.num_rows >= 40, done.num_rows
+    assert set(done.column("ext.worker").to_pylist()) == {"w00", "w01"}
+    assert set(done.column("ext.cached_tokens").to_pylist()) == {0}
+    assert set(done.column("ext.prompt_unique_from").to_pylist()) == {0}
+    assert set(done.column("ext.server_prompt_tokens").to_pylist()) == {64}
+    assert set(done.column("workload.actual_output_tokens").to_pylist()) == {8}
