@@ -17,6 +17,18 @@ Per request, from `server_events.jsonl` on the server's monotonic clock (ns):
     join.unattributed_ttft_ms  = TTFT − (F0 − A)    client and network time before the
     join.unattributed_e2e_ms   = E2E − join.server_span_ms       server saw / after it sent
 
+Coalesced events (a proxy or gateway buffering the stream): per streamed request,
+
+    join.server_flush_span_ms  = FL − F0   how long the server took to send its tokens
+    join.coalesced             = ext.max_events_per_read ≥ COALESCED_EVENTS (4)
+                                 and FL − F0 ≥ COALESCED_SPAN_MS (20 ms)
+                                 and the client's t5 − t4 < FL − F0 / 2
+
+i.e. many events came in one read while the server's own trace shows them spread out:
+the client's inter-token times are then the buffer's, not the server's. Null where it
+cannot be told (no server trace, a part written before ext.max_events_per_read, a
+whole response, a failed request); `coalesced_note` names the cells.
+
 The four server terms partition [A, FL] when the chain is in order, so TTFT = queue +
 prefill + first flush + unattributed: time no trace explains stays `unattributed` and
 is never folded into a server phase (spec §1). Client and server durations each come
@@ -47,7 +59,19 @@ import pyarrow.compute as pc
 from analysis.tables.load import Progress, RunData, read_run_files
 from calculet_load.schema.clocks import from_reference_ns, to_reference_ns
 
-__all__ = ["JOIN_COLUMNS", "device_extremes", "join_run", "load_run", "positions"]
+__all__ = [
+    "COALESCED_EVENTS",
+    "COALESCED_SPAN_MS",
+    "JOIN_COLUMNS",
+    "coalesced_note",
+    "device_extremes",
+    "join_run",
+    "load_run",
+    "positions",
+]
+
+COALESCED_EVENTS = 4  # events in one read, at least
+COALESCED_SPAN_MS = 20.0  # the server's own first-to-last token flush, at least
 
 JOIN_COLUMNS: dict[str, pa.DataType] = {
     "join.server_span_ms": pa.float64(),
@@ -61,6 +85,8 @@ JOIN_COLUMNS: dict[str, pa.DataType] = {
     "device.power_w_total": pa.float64(),
     "device.frequency_mhz_min": pa.float64(),
     "device.throttled": pa.bool_(),
+    "join.server_flush_span_ms": pa.float64(),
+    "join.coalesced": pa.bool_(),
 }
 """Columns `join_run` adds to `RunData.requests` (it also fills server_ms.*, runtime_ms.*,
 quality.server_trace_joined and quality.throttled of the record schema)."""
@@ -173,6 +199,7 @@ def _server(run: RunData, n: int, out: dict[str, Any]) -> BoolArray:
     span_end = np.where(flm, fl, end)
     out["join.server_span_ms"] = _ms(span_end, flm | endm, a, am)
     d = run.requests
+    out["join.server_flush_span_ms"] = np.where(am, _ms(fl, flm, f0, f0m), np.nan)
     out["join.unattributed_ttft_ms"] = _floats(d.column("durations_ms.ttft")) - _ms(f0, f0m, a, am)
     out["join.unattributed_e2e_ms"] = (
         _floats(d.column("durations_ms.e2e")) - out["join.server_span_ms"]
@@ -300,6 +327,50 @@ def _device(
     out["_device_known"] = ok & any_known
 
 
+def _coalesced(d: pa.Table, out: dict[str, Any]) -> tuple[BoolArray, BoolArray]:
+    """(coalesced, known) per request (see the module's docstring)."""
+    n = d.num_rows
+    span = np.asarray(out.get("join.server_flush_span_ms", np.full(n, np.nan)), dtype=float)
+    if d.schema.get_field_index("ext.max_events_per_read") < 0:
+        return np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    per_read, per_read_ok = _ints(d.column("ext.max_events_per_read"))
+    t4, t4m = _ints(d.column("client_ns.first_token"))
+    t5, t5m = _ints(d.column("client_ns.last_token"))
+    client_span = _ms(t5, t5m, t4, t4m)
+    ok = np.asarray(pc.is_null(d.column("ext.error_class")).to_numpy(zero_copy_only=False))
+    known = per_read_ok & ~np.isnan(span) & ~np.isnan(client_span) & ok.astype(bool)
+    with np.errstate(invalid="ignore"):
+        hit = (
+            known
+            & (per_read >= COALESCED_EVENTS)
+            & (span >= COALESCED_SPAN_MS)
+            & (client_span < span / 2)
+        )
+    return hit, known
+
+
+def coalesced_note(d: pa.Table) -> str | None:
+    """The warning that names the cells whose events arrived coalesced, or None."""
+    if d.schema.get_field_index("join.coalesced") < 0:
+        return None
+    hit = np.asarray(d.column("join.coalesced").fill_null(False).to_numpy(zero_copy_only=False))
+    if not hit.any():
+        return None
+    known = np.asarray(pc.is_valid(d.column("join.coalesced")).to_numpy(zero_copy_only=False))
+    cells = np.asarray(d.column("ext.cell").fill_null("-").to_numpy(zero_copy_only=False))
+    parts = []
+    for cell in sorted(set(cells[hit].tolist())):
+        mine = cells == cell
+        parts.append(f"{cell} ({int((hit & mine).sum())} of {int((known & mine).sum())})")
+    return (
+        "events arrived coalesced in cell(s) " + ", ".join(parts) + f": {COALESCED_EVENTS} "
+        "or more events came in one read while the server's own trace spread them over "
+        f"{COALESCED_SPAN_MS:g} ms or more; a proxy or gateway is buffering the stream "
+        "(nginx: proxy_buffering off), and these requests' inter-token times are the "
+        "buffer's, not the server's"
+    )
+
+
 def join_run(run: RunData) -> RunData:
     """Fill the server breakdown, device columns and quality flags into `run.requests`."""
     d = run.requests
@@ -317,6 +388,8 @@ def join_run(run: RunData) -> RunData:
     out["join.wall_end_ns"] = end
     _device(run, start, end, ok, out)
     known = out.pop("_device_known", np.zeros(n, dtype=bool))
+    coalesced, coalesced_known = _coalesced(d, out)
+    out["join.coalesced"] = coalesced
 
     columns: dict[str, pa.Array] = {}
     for name, values in out.items():
@@ -326,6 +399,8 @@ def join_run(run: RunData) -> RunData:
             mask = ~ok
         elif name == "device.throttled":
             mask = ~known
+        elif name == "join.coalesced":
+            mask = ~coalesced_known
         elif arr.dtype.kind == "f":
             mask = np.isnan(arr)
         else:
@@ -363,6 +438,9 @@ def join_run(run: RunData) -> RunData:
             run.notes.append(f"{missing} of {n} records have no server trace (kept, flagged)")
     if run.device is None:
         run.notes.append("no server/device.jsonl: device columns and throttling are no data")
+    note = coalesced_note(d)
+    if note is not None:
+        run.notes.append(note)
     return run
 
 

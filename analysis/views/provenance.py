@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from analysis.tables.join import coalesced_note
 from analysis.tables.runfiles import redact
 from analysis.views.model import (
     Banner,
@@ -87,6 +88,26 @@ def _pipeline_codes(rv: RunView) -> tuple[int | None, str | None]:
             if e.get("status") == "stopped":
                 reason = str(e.get("reason") or "")
     return code, reason
+
+
+def _endpoint_facts(rv: RunView) -> list[tuple[str, str]]:
+    """Warnings about how the target was reached and what that did to the timings:
+    certificate verification off (--insecure), and events a proxy delivered coalesced."""
+    facts: list[tuple[str, str]] = []
+    accesses = [
+        ((rv.manifest or {}).get("target") or {}),
+        ((rv.index or {}).get("options") or {}).get("target_access") or {},
+        (((rv.plan or {}).get("target") or {}).get("access") or {}),
+    ]
+    insecure = [a for a in accesses if isinstance(a, dict) and a.get("insecure") is True]
+    if insecure:
+        url = next((str(a["url"]) for a in insecure if a.get("url")), "the target")
+        facts.append(("TLS", f"INSECURE: certificate verification was OFF for {url} (--insecure)"))
+    if rv.table is not None:
+        note = coalesced_note(rv.table)
+        if note is not None:
+            facts.append(("stream events COALESCED", note))
+    return facts
 
 
 def banner(rv: RunView) -> Banner:
@@ -167,6 +188,7 @@ def banner(rv: RunView) -> Banner:
             code = fcode
             headline, text, css = EXIT_MEANINGS.get(code, ("?", "unknown exit code", "invalid"))
             meaning = f"{text}; the fault matrix (faults.json) exited {fcode}; no verdict.json"
+    facts += _endpoint_facts(rv)
     if stop_reason:
         facts.append(("pipeline stopped", stop_reason))
     if stop_code is not None:
