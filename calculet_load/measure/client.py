@@ -134,8 +134,9 @@ class ConnectionPool:
         self._idle: list[socket.socket] = []
         self.open = 0
 
-    def acquire(self, connect_timeout: float) -> tuple[socket.socket, bool]:
-        while self._idle:
+    def acquire(self, connect_timeout: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """An idle connection (reused) or a new one; `fresh`: a new one in any case."""
+        while self._idle and not fresh:
             sock = self._idle.pop()
             if _alive(sock):
                 return sock, True
@@ -233,6 +234,8 @@ class Outcome:
     token_events: list[TokenEvent] = dataclasses.field(default_factory=list)
     timings: dict[str, Any] | None = None
     cached_tokens: int | None = None  # prompt tokens the server served from its cache
+    unanswered: bool = False  # the connection closed before a single response byte
+    stale_retry: bool = False  # sent again on a new connection: the kept-alive one was closed
     connection_reused: bool | None = None
     cancelled_at: str | None = None
     nonfinite: bool = False
@@ -375,8 +378,47 @@ def execute(
     `on_token` is called for each event that carries generated tokens, right after it is
     counted (on the reading greenlet: it must be cheap). With `max_tokens`, an output
     (the client's count or the server's total) above it plus `output_slack_tokens` is
-    flagged as a count anomaly."""
-    clock = clock or SystemClock()
+    flagged as a count anomaly.
+
+    A kept-alive connection the server closed while the request went out (it answered
+    not a byte: llama.cpp closes every connection after a streamed response, any server
+    may at its keep-alive timeout) is the connection's failure, not the server's answer
+    to this request: the request is sent once more on a new connection, timed from that
+    send, and the outcome says so (`stale_retry`). A new connection that fails the same
+    way is an error like any other."""
+    kw = dict(
+        stream=stream,
+        timeouts=timeouts,
+        clock=clock or SystemClock(),
+        cancel=cancel,
+        extra_headers=extra_headers,
+        on_token=on_token,
+        max_tokens=max_tokens,
+        output_slack_tokens=output_slack_tokens,
+    )
+    out = _attempt(pool, adapter, body, request_id, fresh=False, **kw)  # type: ignore[arg-type]
+    if out.connection_reused and out.unanswered and out.error_class == "connection_reset":
+        out = _attempt(pool, adapter, body, request_id, fresh=True, **kw)  # type: ignore[arg-type]
+        out.stale_retry = True
+    return out
+
+
+def _attempt(
+    pool: ConnectionPool,
+    adapter: Adapter,
+    body: dict[str, Any],
+    request_id: str,
+    *,
+    fresh: bool,
+    stream: bool,
+    timeouts: Timeouts,
+    clock: Clock,
+    cancel: CancelAt,
+    extra_headers: dict[str, str] | None,
+    on_token: Callable[[TokenEvent], None] | None,
+    max_tokens: int | None,
+    output_slack_tokens: int,
+) -> Outcome:
     out = Outcome(request_id)
     run = _Run(adapter, out, clock, stream, on_token)
     payload = json.dumps(body, separators=(",", ":")).encode()
@@ -410,7 +452,7 @@ def execute(
     deadline = t0 + int(timeouts.total_s * 1e9)
     try:
         try:
-            sock, out.connection_reused = pool.acquire(timeouts.connect_s)
+            sock, out.connection_reused = pool.acquire(timeouts.connect_s, fresh=fresh)
         except PoolExhausted:
             raise _Fail("pool_exhausted", f"all {pool.max_connections} connections busy") from None
         except ConnectionRefusedError as exc:
@@ -427,6 +469,7 @@ def execute(
         try:
             sock.sendall(wire)
         except OSError as exc:
+            out.unanswered = True
             raise _Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
         if cancel == "before_headers":
@@ -513,6 +556,9 @@ def _read(
             # h11 also raises when the peer closes before the message is complete (inside
             # the head, a Content-Length or a chunked body): that is a connection closed
             # mid-response, not bad HTTP, unless what did come cannot start a status line.
+            if eof and not first:
+                out.unanswered = True
+                raise _Fail("connection_reset", "closed before any response byte") from None
             if eof and (ns["t2"] is not None or b"HTTP/".startswith(first)):
                 raise _Fail("connection_reset", f"closed mid-response: {exc}") from None
             raise _Fail("malformed_http", str(exc)) from None
@@ -535,6 +581,7 @@ def _read(
             except (TimeoutError, gsocket.timeout):
                 raise _Fail(kind, f"no bytes for {limit:.3f} s") from None
             except OSError as exc:
+                out.unanswered = not first
                 raise _Fail("connection_reset", str(exc)) from None
             t = clock.mono_ns()  # stamp at the byte, before any parsing
             closed = False

@@ -227,6 +227,7 @@ def make_record(
             prompt_count_source=spec.prompt.count_source,
             prompt_unique_from=unique_from,
             cached_tokens=out.cached_tokens,
+            stale_retry=out.stale_retry,
             event_reads=out.event_reads if out.events else None,
             max_events_per_read=out.max_events_per_read if out.events else None,
         ),

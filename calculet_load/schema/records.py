@@ -142,6 +142,8 @@ class Ext:
     prompt_count_source: str | None = None  # who counted the prompt's tokens (tokenizer)
     prompt_unique_from: int | None = None  # first token that differs per request; null: reused
     cached_tokens: int | None = None  # prompt tokens the server served from its cache
+    # sent again on a new connection: the kept-alive one closed before any response byte
+    stale_retry: bool = False
     event_reads: int | None = None  # reads that delivered the events (few: coalesced)
     max_events_per_read: int | None = None  # the most events one read delivered
 
@@ -156,6 +158,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.cached_tokens",
     "ext.event_reads",
     "ext.max_events_per_read",
+    "ext.stale_retry",
 )
 
 

@@ -21,8 +21,19 @@ T = TypeVar("T")
 
 
 def off_loop(fn: Callable[[], T]) -> T:
-    """Run a blocking call in gevent's thread pool (inside a gevent loop)."""
-    result: T = gevent.get_hub().threadpool.apply(fn)
+    """Run a blocking call in gevent's thread pool (inside a gevent loop); its exception
+    is raised here, in the caller (the pool would also print it as an unhandled error)."""
+
+    def call() -> tuple[bool, Any]:
+        try:
+            return True, fn()
+        except Exception as exc:
+            return False, exc
+
+    ok, value = gevent.get_hub().threadpool.apply(call)
+    if not ok:
+        raise value
+    result: T = value
     return result
 
 

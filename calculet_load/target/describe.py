@@ -51,6 +51,22 @@ def discover_model(
     return ids[0] if ids else None
 
 
+def check_health(url: str | TargetAccess, profile: TargetProfile, timeout_s: float = 30.0) -> str:
+    """The target's health as its profile reads it ("ok"); raises OSError (unreachable,
+    or not healthy, with what it answered). Calculet and llama.cpp answer
+    `{"status": "ok"}`, vLLM, SGLang and TGI an empty 200; a plain OpenAI endpoint has
+    no health route, so its model list stands in."""
+    path = profile.health_path or profile.models_path or "/"
+    status, body, _ = _get(access_of(url), path, timeout_s)
+    if status != 200:
+        raise OSError(f"GET {path}: HTTP {status}")
+    if profile.health_form == "json_status_ok":
+        said = body.get("status") if isinstance(body, dict) else None
+        if said != "ok":
+            raise OSError(f"GET {path}: status {said!r}, not 'ok'")
+    return "ok"
+
+
 def describe_target(
     url: str | TargetAccess, profile: TargetProfile, timeout_s: float = 10.0
 ) -> dict[str, Any]:
