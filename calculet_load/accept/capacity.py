@@ -114,8 +114,9 @@ class Capacity:
         self.manifest = load_manifest(args.manifest)
         t = RunTarget.of(self.manifest, args.url, ValueError)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
+        self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
-        self.api = TargetAPI(self.url, self.token, operator="calculet-load-capacity")
+        self.api = TargetAPI(self.access, self.token, operator="calculet-load-capacity")
         self.sla = load_sla(
             args.sla,
             {
@@ -142,7 +143,7 @@ class Capacity:
         timeout = self.manifest.timeout_s
         self.session = Session(
             RunContext.from_manifest(self.manifest, "w00"),
-            self.url,
+            self.access,
             self.protocol,
             model=self.model,
             max_in_flight=self.a.max_in_flight + 64,
@@ -151,7 +152,7 @@ class Capacity:
             prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
         )
         self.factory = target_prompts(
-            self.url, self.protocol, self.manifest.target, off_loop=off_loop
+            self.access, self.protocol, self.manifest.target, off_loop=off_loop
         )
         self.prompts: dict[tuple[int, int], Prompt] = {}
         try:

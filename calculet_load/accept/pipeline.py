@@ -155,6 +155,7 @@ class Pipeline:
             raise RunStop(EXIT_INVALID, str(exc)) from None
         t = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
+        self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
         self.run_dir = Path(opts.run_dir or Path("runs") / self.manifest.run_id)
         self.cells = self.matrix.expanded()
@@ -214,7 +215,7 @@ class Pipeline:
         timeout = self.manifest.timeout_s
         self.session = Session(
             ctx,
-            self.url,
+            self.access,
             self.protocol,
             model=self.model,
             max_in_flight=1024,
@@ -227,7 +228,7 @@ class Pipeline:
         self.clients: Any = InProcess(CellRunner(self.session, self._prompt))
         self.prompts: dict[tuple[int, int], Prompt] = {}
         self.factory = target_prompts(
-            self.url, self.protocol, self.manifest.target, off_loop=off_loop
+            self.access, self.protocol, self.manifest.target, off_loop=off_loop
         )
         return resumed
 
@@ -581,7 +582,9 @@ class Pipeline:
                   "timeout_s": self.manifest.timeout_s,
                   "profile": t.profile if t else "calculet",
                   "tokenizer": t.tokenizer if t else None,
-                  "prompt_reuse": bool(t and t.prompt_reuse)}  # fmt: skip
+                  "prompt_reuse": bool(t and t.prompt_reuse),
+                  # how it was reached: secrets redacted, the key by its source only
+                  "access": self.access.describe()}  # fmt: skip
         return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
 
     # --------------------------------------------------------------- 7 resources
@@ -651,7 +654,7 @@ class Pipeline:
 
     def _collect_traces(self) -> StepResult:
         # every row the target holds (the join picks this run's requests out)
-        got = collect_traces(TargetAPI(self.url), str(self.run_dir))
+        got = collect_traces(TargetAPI(self.access), str(self.run_dir))
         outcome = {"fetched": StepOutcome.OK, "not_available": StepOutcome.NOT_AVAILABLE}
         return StepResult(
             outcome.get(got["status"], StepOutcome.FAILED),

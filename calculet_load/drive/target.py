@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
+from calculet_load.schema.access import AccessError, TargetAccess, access_from
 from calculet_load.schema.manifest import RunManifest
 
 __all__ = ["RunTarget"]
@@ -13,20 +15,32 @@ __all__ = ["RunTarget"]
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunTarget:
     """Where the requests go and how they are spoken: `url` (no trailing slash), the
-    protocol adapter (`llama` when the manifest names none) and the model name."""
+    protocol adapter (`llama` when the manifest names none) and the model name; `access`,
+    how it is reached (TLS, base path, headers, API key: calculet_load.schema.access)."""
 
     url: str
     protocol: str
     model: str | None
+    access: TargetAccess
 
     @classmethod
     def of(
-        cls, manifest: RunManifest, url: str | None, error: Callable[[str], Exception]
+        cls,
+        manifest: RunManifest,
+        url: str | None,
+        error: Callable[[str], Exception],
+        args: Any = None,
     ) -> RunTarget:
         """`--url` over the manifest's `target.url`; `error(message)` is raised when
-        neither names one (each driver says it its own way: exit 2 in every one)."""
+        neither names one, or its access is unusable (each driver says it its own way:
+        exit 2 in every one). `args`: parsed access options, over the manifest's."""
         target = manifest.target
         found = (url or (target.url if target else "")).rstrip("/")
         if not found:
             raise error("target: no --url and no target.url in the manifest")
-        return cls(found, target.protocol if target else "llama", target.model if target else None)
+        try:
+            access = access_from(args, found, target)
+        except AccessError as exc:
+            raise error(f"target: {exc}") from None
+        protocol = target.protocol if target else "llama"
+        return cls(found, protocol, target.model if target else None, access)

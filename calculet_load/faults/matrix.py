@@ -144,6 +144,7 @@ class FaultMatrix:
             raise RunStop(EXIT_INVALID, str(exc)) from None
         t = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
+        self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.run_dir = Path(opts.run_dir or Path("runs") / f"{self.manifest.run_id}")
         known = {s.name for s in self.scenarios}
         if opts.broken and opts.broken != ["all"]:
@@ -154,7 +155,7 @@ class FaultMatrix:
         auth = self.manifest.maintenance
         # an authorized run's admin calls carry the accountable operator (audit log, §12.4)
         operator = auth.operator if auth is not None else "calculet-load-faults"
-        self.api = TargetAPI(self.url, opts.admin_token, operator=operator)
+        self.api = TargetAPI(self.access, opts.admin_token, operator=operator)
         self.references: dict[tuple[int, int, int], str | None] = {}
         self.results: list[dict[str, Any]] = []
         self.scale: float = 1.0
@@ -176,7 +177,7 @@ class FaultMatrix:
             total = self.manifest.timeout_s if key is None else key
             self.sessions[key] = _FaultSession(
                 self.ctx,
-                self.url,
+                self.access,
                 self.protocol,
                 model=self.model,
                 max_in_flight=4096,
@@ -211,7 +212,7 @@ class FaultMatrix:
         self.ids = itertools.count(1)
         self.sessions: dict[float | None, Session] = {}
         self.factory = target_prompts(
-            self.url, self.protocol, self.manifest.target, off_loop=off_loop
+            self.access, self.protocol, self.manifest.target, off_loop=off_loop
         )
         started = time.time_ns()
         try:

@@ -117,6 +117,7 @@ class Soak:
         self.manifest = load_manifest(args.manifest)
         t = RunTarget.of(self.manifest, args.url, StageError)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
+        self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
         self.state: dict[str, Any] | None = None
         if args.resume:
@@ -134,7 +135,7 @@ class Soak:
                 )
         self.opts = self._options()
         self.golden = load_golden(self.opts["golden"]) if self.opts["golden"] else None
-        self.api = TargetAPI(self.url, self.token, operator="calculet-load-soak")
+        self.api = TargetAPI(self.access, self.token, operator="calculet-load-soak")
         st = self.stage
         if st.pass_.golden and self.golden is None:
             raise StageError(f"stage {st.name}: pass.golden needs --golden FILE")
@@ -229,7 +230,7 @@ class Soak:
         timeout = self.manifest.timeout_s
         self.session = Session(
             self.ctx,
-            self.url,
+            self.access,
             self.protocol,
             model=self.model,
             max_in_flight=4096,
@@ -239,7 +240,7 @@ class Soak:
         )
         self.session.hooks.append(self._count)
         self.factory = target_prompts(
-            self.url, self.protocol, self.manifest.target, off_loop=off_loop
+            self.access, self.protocol, self.manifest.target, off_loop=off_loop
         )
         self.prompts: dict[tuple[int, int], Prompt] = {}
         self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
