@@ -66,9 +66,11 @@ from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
+from calculet_load.schema.profiles import TargetProfile, profile_named
 from calculet_load.schema.prometheus import chip_gauges, device_sample
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI, off_loop
+from calculet_load.target.describe import check_health, describe_target
 from calculet_load.target.netprobe import RttRounds
 from calculet_load.target.traces import collect_traces
 from calculet_load.workload.dispatch import (
@@ -301,10 +303,13 @@ class Pipeline:
                     f"model.calbin_sha256 {m.calbin_sha256[:12]}…",
                 )
             checked.append("calbin file")
+        profile = self.profile
         try:
-            health = self._get_json("/health")
+            health = off_loop(lambda: check_health(self.access, profile))
         except (OSError, ValueError) as exc:
             raise RunStop(EXIT_INFRA, f"release: target {self.url} unreachable: {exc}") from None
+        # what the target says of itself (model list, /props or version, Server header)
+        described = off_loop(lambda: describe_target(self.access, profile))
         state: Any = None
         if self.o.admin_token:
             try:
@@ -332,7 +337,7 @@ class Pipeline:
             checked.append("served compiled batch")
         self.say(f"release verified ({', '.join(checked) or 'manifest only'})")
         self.rtt.take("before")
-        return StepResult.ok(checked=checked, health=health.get("status"), batch=batch)
+        return StepResult.ok(checked=checked, health=health, batch=batch, target=described)
 
     # --------------------------------------------------------------- workers
     def _start_fleet(self) -> None:
@@ -379,6 +384,8 @@ class Pipeline:
         `calculet_chip_power_w`, `calculet_chip_frequency_mhz`) until, over the last
         `--idle-window-s`, the hottest chip moved <= 0.5 C, total power <= 1 W and the
         lowest frequency did not change."""
+        if (lacking := self._lacks("device telemetry")) is not None:
+            return lacking
         window = self.o.idle_window_s
         self.say(f"idle sampling: waiting for a stable {window:g} s window")
         rows: list[tuple[float, float, float, float]] = []
@@ -412,6 +419,8 @@ class Pipeline:
         """The device as a cell starts or ends (§8: temperature and throttling per
         round): hottest chip, total power, lowest frequency, throttled chips; None when
         the target has no chip gauges."""
+        if not self.profile.device_telemetry:
+            return None
         try:
             v = chip_gauges(_get_bytes(f"{self.url}/metrics").decode())
         except (OSError, ValueError):
@@ -588,7 +597,24 @@ class Pipeline:
         return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
 
     # --------------------------------------------------------------- 7 resources
+    @property
+    def profile(self) -> TargetProfile:
+        """What kind of server the target is (the manifest's target.profile)."""
+        t = self.manifest.target
+        return profile_named(t.profile if t is not None else "calculet")
+
+    def _lacks(self, what: str) -> StepResult | None:
+        """`not_available` when the target's profile says it has no `what`."""
+        p = self.profile
+        has = {"admin API": p.admin_api, "traces": p.traces, "device telemetry": p.device_telemetry}
+        if has[what]:
+            return None
+        self.notes.append(f"{what}: the {p.name} target has none")
+        return StepResult.not_available(f"the {p.name} target has no {what}")
+
     def _resources(self) -> StepResult:
+        if (lacking := self._lacks("admin API")) is not None:
+            return lacking
         if not self.o.admin_token:
             return StepResult.not_available("no admin token", checked=False)
         deadline = time.monotonic() + 30
@@ -653,6 +679,8 @@ class Pipeline:
         index.write(str(self.run_dir))
 
     def _collect_traces(self) -> StepResult:
+        if (lacking := self._lacks("traces")) is not None:
+            return lacking
         # every row the target holds (the join picks this run's requests out)
         got = collect_traces(TargetAPI(self.access), str(self.run_dir))
         outcome = {"fetched": StepOutcome.OK, "not_available": StepOutcome.NOT_AVAILABLE}
@@ -794,8 +822,12 @@ def _sha256_file(path: str) -> str:
 
 
 def _read_url(req: urllib.request.Request | str) -> bytes:
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return bytes(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return bytes(resp.read())
+    except urllib.error.HTTPError as exc:
+        exc.close()  # the error holds the response (and its socket)
+        raise OSError(f"HTTP {exc.code} {exc.reason}") from None
 
 
 def _get_bytes(url: str) -> bytes:

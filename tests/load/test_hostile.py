@@ -991,6 +991,33 @@ def test_idle_keepalive_connection(after_first: list[Step], reused: bool) -> Non
     assert server.connections == (1 if reused else 2)
 
 
+@pytest.mark.parametrize("then_ok", [True, False], ids=["fresh-answers", "fresh-closes-too"])
+def test_a_kept_alive_connection_closed_under_the_request_is_retried_once(then_ok: bool) -> None:
+    """llama.cpp closes every connection after a streamed response, with no
+    `Connection: close`: the next request on it gets not a byte. That is the kept-alive
+    connection's failure: the request goes once more on a new connection (stale_retry);
+    a new connection that fails the same way is an error, and there is no third try."""
+    second_script = VALID if then_ok else [CLOSE]
+    with serve([VALID[0], READ, CLOSE], second_script, [CLOSE]) as server:
+        pool = ConnectionPool(Endpoint(server.url), 1)
+        try:
+            first = request(server.url, pool=pool)
+            assert first.ok and not first.stale_retry
+            second = request(server.url, pool=pool, request_id="req-2")
+        finally:
+            pool.close()
+    assert second.stale_retry
+    assert second.connection_reused is False  # the outcome is the new connection's
+    assert server.connections == 2
+    assert [r.count(b"req-2") for r in server.requests[1:]] == [1, 1]  # sent twice, no more
+    if then_ok:
+        assert second.ok, second.error_detail
+        assert second.output_tokens == VALID_TOKENS
+    else:
+        failed(second, "connection_reset")
+        assert second.error_detail == "closed before any response byte"
+
+
 def test_pool_exhausted_is_immediate_and_the_held_request_completes() -> None:
     with serve([Sleep(0.4), VALID[0]]) as server:
         pool = ConnectionPool(Endpoint(server.url), 1)

@@ -8,6 +8,7 @@ vocabulary (multi-byte characters included): what a client's counting must survi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +16,9 @@ from typing import Any
 
 import pyarrow.compute as pc
 import pytest
+import yaml
 
+from calculet_load.cli import main
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import (
     LocalTokenizer,
@@ -25,6 +28,7 @@ from calculet_load.measure.prompts import (
 )
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from tests.llamacpp import LlamaServer, tokenizer_path
+from tests.load.acceptkit import read_events, relaxed_rules, write_manifest, write_matrix
 from tests.load.locustproc import LocustRun
 
 PROTOCOLS = ("llama", "openai-completions", "openai-chat")
@@ -172,3 +176,46 @@ def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
     assert set(done.column("ext.prompt_unique_from").to_pylist()) == {0}
     assert set(done.column("ext.server_prompt_tokens").to_pylist()) == {64}
     assert set(done.column("workload.actual_output_tokens").to_pylist()) == {8}
+
+
+def test_accept_against_llama_cpp_passes_with_its_missing_steps_named(
+    llama: LlamaServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A target that is simply not Calculet: no admin API, traces or device telemetry.
+    The steps that need them end `not_available` with the reason; the run is judged on
+    what the target does give, and it passes (exit 0, never 3)."""
+    monkeypatch.delenv("CALCULET_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("CALCULET_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("CALCULET_SIGNING_KEY_FILE", raising=False)
+    manifest = write_manifest(tmp_path, llama.url, run_id="llama-accept", warmup_requests=2)
+    doc = yaml.safe_load(manifest.read_text())
+    doc["target"] = {"url": llama.url, "protocol": "openai-chat", "profile": "llama.cpp"}
+    manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    matrix = write_matrix(
+        tmp_path,
+        [
+            {"kind": "single", "prompt_tokens": 128, "max_tokens": 16},
+            {"kind": "closed", "concurrency": 2, "prompt_tokens": 256, "max_tokens": 16},
+        ],
+    )
+    run_dir = tmp_path / "run"
+    rules = relaxed_rules(tmp_path)
+    args = ["accept", "--manifest", str(manifest), "--matrix", str(matrix)]
+    code = main([*args, "--run-dir", str(run_dir), "--rules", str(rules), "--idle-gap-s", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    ends = {e["step"]: e for e in read_events(run_dir) if e.get("status") == "end"}
+    for step, what in (("idle", "device telemetry"), ("resources", "admin API"),
+                       ("traces", "traces")):  # fmt: skip
+        assert ends[step]["outcome"] == "not_available", ends[step]
+        assert ends[step]["reason"] == f"the llama.cpp target has no {what}"
+    release = ends["release"]
+    assert release["outcome"] == "ok" and release["health"] == "ok"
+    assert release["target"]["server_header"] == "llama.cpp"
+    assert release["target"]["props"]["build_info"]
+    assert release["target"]["models"]["ids"]
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["exit_code"] == 0, verdict
