@@ -133,7 +133,16 @@ PIPELINE_API = {
         "verdict_for",
     ],
     "judge.infra": ["check_infrastructure"],
-    "tables.join": ["JOIN_COLUMNS", "device_extremes", "join_run", "load_run", "positions"],
+    "tables.join": [
+        "COALESCED_EVENTS",
+        "COALESCED_SPAN_MS",
+        "JOIN_COLUMNS",
+        "coalesced_note",
+        "device_extremes",
+        "join_run",
+        "load_run",
+        "positions",
+    ],
     "legacy": [
         "LEGACY_SCHEMA",
         "LegacyImport",
