@@ -109,6 +109,7 @@ class Coordinator:
             interval_s=float(opts.scrape_interval),
             metrics_url=opts.server_metrics_url,
             server_pid=int(opts.server_pid),
+            access=target_access(opts, self.env.host) if self.env.host else None,
         )
         if self._loop is None:
             self._loop = gevent.spawn(self._tick_loop)

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import psutil
 import pyarrow.fs as pafs
 
+from calculet_load.schema.access import TargetAccess
 from calculet_load.schema.fs import resolve_fs
 from calculet_load.schema.scrape import (
     SERVER_METRICS_FILE,
@@ -266,11 +267,14 @@ class ServerSampler:
         bucket_every: int = 12,
         timeout_s: float = 5.0,
         flush_s: float = 30.0,
+        access: TargetAccess | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.run_dir = run_dir
         self.metrics_url = metrics_url
+        # the target's TLS settings and headers, for a metrics URL on the target's origin
+        self.access = access
         self.interval_s = interval_s
         self.bucket_every = max(bucket_every, 1)
         self.timeout_s = timeout_s
@@ -351,7 +355,7 @@ class ServerSampler:
         wall, mono = time.time_ns(), time.monotonic_ns()
         t = time.perf_counter()
         try:
-            body = _get(url, self.timeout_s)
+            body = _get(url, self.timeout_s, self.access)
             samples = parse_exposition(body.decode("utf-8", "replace"), buckets=buckets)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self.failures += 1
@@ -363,13 +367,19 @@ class ServerSampler:
         return MetricsScrapeRow(wall, mono, url, True, ms, None, buckets, samples)
 
 
-def _get(url: str, timeout_s: float) -> bytes:
+def _get(url: str, timeout_s: float, access: TargetAccess | None = None) -> bytes:
     parts = urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
+    headers: dict[str, str] = {}
+    if access is not None and f"{parts.scheme}://{parts.netloc}" == access.origin:
+        conn = access.connection(timeout_s)  # the target's TLS settings and headers
+        headers = dict(access.request_headers())
+    else:
+        https = parts.scheme == "https"
+        cls = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
     try:
         path = parts.path or "/"
-        conn.request("GET", path + (f"?{parts.query}" if parts.query else ""))
+        conn.request("GET", path + (f"?{parts.query}" if parts.query else ""), headers=headers)
         resp = conn.getresponse()
         body = resp.read(MAX_BODY_BYTES + 1)
     finally:
@@ -388,20 +398,32 @@ def sampler_for_run(
     interval_s: float,
     metrics_url: str = "",
     server_pid: int = 0,
+    access: TargetAccess | None = None,
 ) -> ServerSampler | None:
     """The sampler a run's options ask for, started; None when sampling is off.
 
-    `metrics_url` defaults to TARGET/metrics; `server_pid` 0 looks the server up by the
-    target's port when it runs on this host, a negative value turns process sampling off."""
+    `metrics_url` defaults to TARGET/metrics (under the base path of `access`, with its
+    TLS settings and headers); `server_pid` 0 looks the server up by the target's port
+    when it runs on this host, a negative value turns process sampling off."""
     if interval_s <= 0:
         return None
-    url = metrics_url or (f"{target.rstrip('/')}/metrics" if target else "")
+    if metrics_url:
+        url = metrics_url
+    elif access is not None:
+        url = access.resolve("/metrics")
+    else:
+        url = f"{target.rstrip('/')}/metrics" if target else ""
     pid = server_pid if server_pid > 0 else None
     find = target if server_pid == 0 and target else None
     if not url and pid is None and find is None:
         return None
     sampler = ServerSampler(
-        run_dir, metrics_url=url or None, pid=pid, find_pid_of=find, interval_s=interval_s
+        run_dir,
+        metrics_url=url or None,
+        pid=pid,
+        find_pid_of=find,
+        interval_s=interval_s,
+        access=access,
     )
     log.info(
         "calculet: sampling %s every %.3g s into server/ (server process: %s)",

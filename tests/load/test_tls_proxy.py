@@ -273,7 +273,7 @@ def test_the_api_key_is_never_written(stack: tuple[SimProcess, Nginx, Pki], tmp_
     args = ["-u", "2", "-r", "2", "--protocol", "llama", "--prompt-tokens", "16"]
     args += ["--max-tokens", "4", "--ca-file", str(pki.ca_file)]
     args += ["--api-key-file", str(key_file), "--header", f"X-Api-Key: {OTHER_SECRET}"]
-    args += ["--header", "X-Team: perf", "--rtt-samples", "0", "--scrape-interval", "0"]
+    args += ["--header", "X-Team: perf", "--rtt-samples", "0", "--scrape-interval", "1"]
     run = LocustRun(tmp_path, proxy.url(), args, workers=0, run_time_s=5).start()
     try:
         assert run.wait(120) == 0, run.log_text()
@@ -287,6 +287,11 @@ def test_the_api_key_is_never_written(stack: tuple[SimProcess, Nginx, Pki], tmp_
     assert access["api_key"] == {"file": str(key_file)}
     assert access["headers"] == {"X-Api-Key": "<redacted>", "X-Team": "perf"}
     assert access["insecure"] is False and access["url"] == proxy.url()
+    # the master's /metrics scrape and trace fetch went through the proxy, with the key
+    scrapes = (run.run_dir / "server" / "metrics.jsonl").read_text().splitlines()
+    assert scrapes and all(json.loads(line)["ok"] for line in scrapes), scrapes[:1]
+    assert json.loads(scrapes[0])["url"] == proxy.url() + "/metrics"
+    assert run.index()["server_traces"]["status"] == "fetched", run.index()["server_traces"]
     probe_dir = tmp_path / "probe"
     env = dict(os.environ, CALCULET_TEST_KEY=API_KEY)
     probe = subprocess.run(
