@@ -1,3 +1,4 @@
+# size: the capacity search driver: its windows, their judgement and the curve it writes
 """`calculet-load capacity`: the stable maximum QPS of spec §14.3, by search.
 
 Windows of open-loop load at one rate each: the rate doubles from `--start-rate` until a
@@ -48,7 +49,9 @@ from calculet_load.measure.prompts import Prompt, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, load_manifest
+from calculet_load.schema.profiles import profile_named
 from calculet_load.target.api import TargetAPI, off_loop, time_scale
+from calculet_load.target.describe import check_health
 from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.mixes import MixError, load_mix, single
@@ -163,13 +166,21 @@ class Capacity:
         return code
 
     def _search(self) -> int:
+        t = self.manifest.target
+        self.profile = profile_named(t.profile if t is not None else "calculet")
         try:
-            self.api.health()
+            off_loop(lambda: check_health(self.access, self.profile))
         except OSError as exc:
             self.say(f"capacity: target {self.url} unreachable: {exc}")
             return EXIT_INFRA
         self.scale = time_scale(self.api, self.a.time_scale_hint)
-        self.api.skip_to_end("server_events")
+        if self.profile.traces:
+            self.api.skip_to_end("server_events")
+        elif self.sla.max_queue_p99_ms is not None:
+            self.say(
+                f"capacity: queue p99 not available: the {self.profile.name} target has no "
+                "traces (the queue SLA is not judged)"
+            )
         self.session.pool.prewarm(min(self.a.max_in_flight, 64))
         self.say(
             f"capacity search on {self.url}: windows of {self.a.window_s:g} target s "
@@ -343,7 +354,7 @@ class Capacity:
         if sla.max_reject_rate is not None and reject_rate > sla.max_reject_rate:
             reasons.append(f"reject rate {reject_rate:.2%} > {sla.max_reject_rate:.2%}")
         for key, limit in (
-            ("queue_p99_ms", sla.max_queue_p99_ms),
+            ("queue_p99_ms", sla.max_queue_p99_ms if self.profile.traces else None),
             ("ttft_p99_ms", sla.max_ttft_p99_ms),
             ("e2e_p99_ms", sla.max_e2e_p99_ms),
         ):
@@ -358,6 +369,8 @@ class Capacity:
 
     def _queue_ms(self, rids: set[str]) -> float | None:
         """P99 of the server's queue time (accepted -> job_prepared of step 0), target ms."""
+        if not self.profile.traces:
+            return None
         try:
             rows = self.api.trace_rows("server_events")
         except OSError:
@@ -377,7 +390,12 @@ class Capacity:
     def _drain(self) -> None:
         """Wait until the target is idle again (nothing queued or running)."""
         deadline = time.monotonic() + max(5.0, 60 * self.scale)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.profile.admin_api:
+            # a target that is not Calculet says nothing of its queue: our requests ended
+            if self.session.in_flight == 0:
+                break
+            gevent.sleep(0.05)
+        while time.monotonic() < deadline and self.profile.admin_api:
             try:
                 if self.token:
                     st = self.api.state()

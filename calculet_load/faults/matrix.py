@@ -80,6 +80,7 @@ from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
+from calculet_load.schema.profiles import profile_named
 from calculet_load.target.api import TargetAPI, off_loop
 from calculet_load.workload.matrix import GoldenSet, MatrixError, load_golden
 
@@ -88,7 +89,10 @@ PASS, FAIL, ERROR, SKIPPED = "PASS", "FAIL", "ERROR", "SKIPPED"
 # Not run because the manifest does not authorize its maintenance actions (spec §12.4):
 # never a pass, so the matrix exits 1 (see docs/faults.md).
 NOT_RUN = "NOT_RUN"
-VERDICTS = (PASS, FAIL, ERROR, SKIPPED, NOT_RUN)
+# the target is not one that can be fault-injected (its profile has no admin API):
+# nothing was run, and nothing failed
+NOT_AVAILABLE = "NOT_AVAILABLE"
+VERDICTS = (PASS, FAIL, ERROR, SKIPPED, NOT_RUN, NOT_AVAILABLE)
 
 
 class _Infra(Exception):
@@ -231,6 +235,15 @@ class FaultMatrix:
         return self.code
 
     def _all(self) -> None:
+        profile = profile_named(
+            self.manifest.target.profile if self.manifest.target else "calculet"
+        )
+        if not profile.admin_api:
+            for sc in self.scenarios:
+                why = f"the {profile.name} target has no admin API to inject faults through"
+                self._skip(sc, why, NOT_AVAILABLE)
+            self.say(f"fault matrix: not available: the {profile.name} target has no admin API")
+            return
         run_steps(FAULT_STEPS, self)
 
     def _fault_api(self) -> None:
@@ -674,9 +687,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+def _has_admin_api(manifest_path: str) -> bool:
+    """Whether the manifest's target has an admin API (its profile; a manifest that does
+    not load is judged later, with its own message)."""
+    try:
+        target = load_manifest(manifest_path).target
+    except (ManifestError, OSError):
+        return True
+    return profile_named(target.profile if target else "calculet").admin_api
+
+
 def run(args: argparse.Namespace) -> int:
     token = os.environ.get("CALCULET_ADMIN_TOKEN")
-    if not token:
+    if not token and _has_admin_api(args.manifest):
         print("faults: CALCULET_ADMIN_TOKEN is not set: the admin API needs it", file=sys.stderr)
         return EXIT_INFRA
     opts = FaultOptions(
@@ -703,7 +726,8 @@ def run(args: argparse.Namespace) -> int:
     s = doc["summary"]
     print(
         f"faults: {s[PASS]} pass, {s[FAIL]} fail, {s[ERROR]} error, {s[SKIPPED]} skipped, "
-        f"{s[NOT_RUN]} NOT RUN (not authorized by the manifest); "
+        f"{s[NOT_RUN]} NOT RUN (not authorized by the manifest), "
+        f"{s[NOT_AVAILABLE]} not available on this target; "
         f"exit {code}; {fm.run_dir / 'faults.json'}"
     )
     return code

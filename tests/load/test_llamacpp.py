@@ -219,3 +219,50 @@ def test_accept_against_llama_cpp_passes_with_its_missing_steps_named(
     assert release["target"]["models"]["ids"]
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert verdict["exit_code"] == 0, verdict
+
+
+def test_faults_capacity_and_soak_use_what_llama_cpp_has(
+    llama: LlamaServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The other drivers on a target that is not Calculet: the fault matrix has no admin
+    API to inject through (every scenario NOT_AVAILABLE, exit 0, never 3); the capacity
+    search and a soak stage run on what the target does give."""
+    monkeypatch.delenv("CALCULET_ADMIN_TOKEN", raising=False)
+    manifest = write_manifest(tmp_path, llama.url, run_id="llama-drivers")
+    doc = yaml.safe_load(manifest.read_text())
+    doc["target"] = {"url": llama.url, "protocol": "openai-completions", "profile": "llama.cpp"}
+    manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    repo = Path(__file__).resolve().parents[2]
+
+    faults = tmp_path / "faults"
+    scenarios = str(repo / "configs" / "faults")
+    code = main(["faults", "--manifest", str(manifest), "--scenarios", scenarios,
+                 "--run-dir", str(faults)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    doc = json.loads((faults / "faults.json").read_text())
+    assert doc["summary"]["NOT_AVAILABLE"] == len(doc["scenarios"]) > 10
+    assert {s["reason"] for s in doc["scenarios"]} == {
+        "the llama.cpp target has no admin API to inject faults through"
+    }
+
+    capacity = tmp_path / "capacity"
+    code = main([
+        "capacity", "--manifest", str(manifest), "--run-dir", str(capacity),
+        "--start-rate", "4", "--max-rate", "8", "--window-s", "3",
+        "--prompt-tokens", "64", "--max-tokens", "8", "--max-queue-p99-ms", "1000",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "queue p99 not available: the llama.cpp target has no traces" in out
+    result = json.loads((capacity / "capacity.json").read_text())
+    assert result["stable_max_qps"] == 8, result
+
+    soak = tmp_path / "soak"
+    code = main(["soak", "--stage", "dev", "--manifest", str(manifest), "--run-dir", str(soak),
+                 "--duration-scale", "0.004", "--quiet"])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    verdict = json.loads((soak / "soak.json").read_text())
+    assert verdict["exit_code"] == 0, verdict
