@@ -33,8 +33,6 @@ import os
 import random
 import socket
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,11 +172,18 @@ class Pipeline:
         if self.o.progress:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
+    def _get(self, path: str, admin: bool = False) -> bytes:
+        """GET a server path through the target's access (base path, TLS, headers); the
+        admin token replaces the API key on admin calls. OSError unless it answers 200."""
+        token = self.o.admin_token if admin else None
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        status, raw, _ = off_loop(lambda: self.access.call("GET", path, None, headers, 30.0))
+        if status != 200:
+            raise OSError(f"{path}: HTTP {status}")
+        return raw
+
     def _get_json(self, path: str, admin: bool = False) -> Any:
-        req = urllib.request.Request(self.url + path)
-        if admin and self.o.admin_token:
-            req.add_header("Authorization", f"Bearer {self.o.admin_token}")
-        return json.loads(off_loop(lambda: _read_url(req)))
+        return json.loads(self._get(path, admin))
 
     def _save_plan(self) -> None:
         tmp = self.run_dir / "plan.json.tmp"
@@ -393,7 +398,7 @@ class Pipeline:
         stable = False
         while time.monotonic() - started < self.o.idle_timeout_s:
             try:
-                sample = device_sample(_get_bytes(f"{self.url}/metrics").decode())
+                sample = device_sample(self._get("/metrics").decode())
             except (OSError, ValueError) as exc:
                 self.notes.append(f"idle: no device telemetry from /metrics ({exc}); skipped")
                 return StepResult.not_available(str(exc), stable=None, window_s=window)
@@ -422,7 +427,7 @@ class Pipeline:
         if not self.profile.device_telemetry:
             return None
         try:
-            v = chip_gauges(_get_bytes(f"{self.url}/metrics").decode())
+            v = chip_gauges(self._get("/metrics").decode())
         except (OSError, ValueError):
             return None
         if not v["temperature_c"]:
@@ -819,19 +824,6 @@ def _sha256_file(path: str) -> str:
     except OSError as exc:
         raise RunStop(EXIT_INVALID, f"release: calbin {path}: {exc.strerror}") from None
     return h.hexdigest()
-
-
-def _read_url(req: urllib.request.Request | str) -> bytes:
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return bytes(resp.read())
-    except urllib.error.HTTPError as exc:
-        exc.close()  # the error holds the response (and its socket)
-        raise OSError(f"HTTP {exc.code} {exc.reason}") from None
-
-
-def _get_bytes(url: str) -> bytes:
-    return bytes(off_loop(lambda: _read_url(url)))
 
 
 # ------------------------------------------------------------------ CLI
