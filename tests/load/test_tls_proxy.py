@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from analysis.tables.join import load_run
 from calculet_load.measure.client import Outcome, run_in_greenlet
@@ -250,7 +251,10 @@ def test_buffering_on_is_reported_as_coalesced_events(
     notes = [n for n in run.notes if "coalesced" in n]
     assert len(notes) == 1 and "behind-buffer (4 of 4)" in notes[0]
     assert "unbuffered" not in notes[0]
-    # the report shows it in its banner
+    # the report shows it in its banner, with the manifest's --insecure
+    manifest = yaml.safe_load((REPO / "configs" / "manifest.sim.yaml").read_text())
+    manifest["target"] = {"url": proxy.url("/buffered"), "insecure": True}
+    (run_dir / "manifest.yaml").write_text(yaml.safe_dump(manifest))
     for cmd in ("analyze", "report"):
         res = subprocess.run(
             [sys.executable, "-m", "calculet_load.cli", cmd, str(run_dir)],
@@ -260,6 +264,7 @@ def test_buffering_on_is_reported_as_coalesced_events(
     banner = html[: html.index('id="notes"')]
     assert "stream events COALESCED" in banner, res.stderr[-2000:]
     assert "behind-buffer (4 of 4)" in banner
+    assert "INSECURE: certificate verification was OFF" in banner
 
 
 def test_the_api_key_is_never_written(stack: tuple[SimProcess, Nginx, Pki], tmp_path: Path) -> None:
