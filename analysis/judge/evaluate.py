@@ -4,14 +4,16 @@ one handler per rule kind (HANDLERS), in the rules file's order."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from analysis.judge import batch, boundary, capacity, comparisons, correctness, limits, resources
-from analysis.judge.evidence import Context, not_evaluated
+from analysis.judge.evidence import Context, Evidence, not_evaluated
 from analysis.judge.infra import check_infrastructure
 from analysis.judge.rules import RULE_CLASS, RulesFile
-from analysis.judge.verdict import RuleVerdict
+from analysis.judge.verdict import RuleVerdict, Status
+from calculet_load.schema.profiles import PROFILES
 
 __all__ = ["HANDLERS", "Context", "evaluate"]
 
@@ -37,4 +39,27 @@ def evaluate(rules: RulesFile, ctx: Context) -> list[RuleVerdict]:
             out.append(not_evaluated(rule, "disabled: enabled is false in the rules file"))
             continue
         out += HANDLERS[rule.kind](rule, ctx)
-    return out
+    return [_on_this_target(v, ctx.candidate) for v in out]
+
+
+# What a rule kind's data needs from the target (calculet_load.schema.profiles): a rule
+# without data on a target that lacks it is not evaluated because of the target.
+NEEDS = {
+    "device_limits": ("device_telemetry", "device telemetry"),
+    "leaks": ("admin_api", "admin API (server resources)"),
+    "batch": ("traces", "traces (decode steps)"),
+}
+
+
+def _on_this_target(v: RuleVerdict, run: Evidence) -> RuleVerdict:
+    """A `no data` verdict of a rule whose data the target cannot give says so: "not
+    available: the llama.cpp target has no device telemetry" (issue 17)."""
+    need = NEEDS.get(v.kind)
+    if need is None or v.status is not Status.NOT_EVALUATED or not v.reason.startswith("no data"):
+        return v
+    target = (run.run.manifest or {}).get("target") or {}
+    profile = PROFILES.get(str(target.get("profile") or "calculet"))
+    if profile is None or getattr(profile, need[0]):
+        return v
+    reason = f"not available: the {profile.name} target has no {need[1]}; {v.reason}"
+    return dataclasses.replace(v, reason=reason)

@@ -219,6 +219,14 @@ def test_accept_against_llama_cpp_passes_with_its_missing_steps_named(
     assert release["target"]["models"]["ids"]
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert verdict["exit_code"] == 0, verdict
+    # the rules whose data the target cannot give are not evaluated, and say why
+    why = {v["rule"]: v["reason"] for v in verdict["verdicts"] if v["status"] == "not_evaluated"}
+    assert why["device_limits.temperature"].startswith(
+        "not available: the llama.cpp target has no device telemetry"
+    )
+    assert why["leaks.kv_allocated_tokens"].startswith(
+        "not available: the llama.cpp target has no admin API"
+    )
 
 
 def test_faults_capacity_and_soak_use_what_llama_cpp_has(
