@@ -92,8 +92,7 @@ def _add_options(parser: Any) -> None:
             UI_OPTIONS.add(action.dest)
 
     opt("--protocol", choices=PROTOCOLS, default="llama", help="target protocol")
-    # how to reach the target (-H may carry a base path): https verification, headers, the
-    # API key. Never in the web UI's form: secrets and paths stay on the command line.
+    # how to reach the target (schema.access); not in the web UI's form (secrets stay out)
     add_access_arguments(lambda *names, **kw: opt(*names, ui=False, **kw))
     opt("--model", default="", help="model name sent to OpenAI-style targets")
     opt(
