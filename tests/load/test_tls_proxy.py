@@ -49,12 +49,14 @@ OTHER_SECRET = "hdr-secret-51c0ffee9d2b4a77"
 # Bounds: each token event reaches the client within TOKEN_DELAY_MS of the server's
 # flush of its last token, and each inter-token gap differs from the server's by at most
 # GAP_DIFF_MS (median below the *_P50_MS). Measured on loopback (nginx 1.22, 2 shared
-# cores, time scale 0.5: ~7 ms between tokens): delay p50 0.16 ms, max 0.47 ms; gap
-# difference p50 0.07 ms, max 0.88 ms. The bounds leave room for a loaded machine.
+# cores, time scale 0.5: ~7 ms between tokens): delay p50 0.13-0.26 ms, max 0.5 ms on an
+# idle machine and 5.1 ms beside other agents' builds; gap difference p50 0.03-0.08 ms,
+# max 0.9 ms idle and 5.0 ms loaded. The bounds leave room for a loaded machine.
 TOKEN_DELAY_MS = 10.0
 TOKEN_DELAY_P50_MS = 1.0
 GAP_DIFF_MS = 10.0
 GAP_DIFF_P50_MS = 0.5
+STAMP_LAG_MS = 5.0  # the server's flush stamp may trail the bytes by this much
 
 
 @pytest.fixture(scope="module")
@@ -150,15 +152,16 @@ def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
         unattributed = (o.client_ns.first_token - o.client_ns.request_start) / 1e6 - (
             steps[0] - accepted[o.request_id]
         ) / 1e6
-        assert 0 <= unattributed < TOKEN_DELAY_MS, unattributed
+        assert -STAMP_LAG_MS < unattributed < TOKEN_DELAY_MS, unattributed
         assert o.event_reads >= len(client) and o.max_events_per_read <= 3  # not coalesced
     print(
         f"token delay p50 {np.median(delays):.3f} max {max(delays):.3f} ms; "
         f"gap diff p50 {np.median(gap_diffs):.3f} max {max(gap_diffs):.3f} ms"
     )
-    # one clock; the server stamps a flush when its write returned, a little after the
-    # bytes left: an arrival may precede it by that much, never by more
-    assert min(delays) > -1.0
+    # one clock; the server stamps a flush when its write returned, after the bytes left
+    # (on a loaded machine its event loop may take a few ms to get there): an arrival
+    # may precede the stamp by that much, never by more
+    assert min(delays) > -STAMP_LAG_MS
     assert max(delays) < TOKEN_DELAY_MS and np.median(delays) < TOKEN_DELAY_P50_MS
     assert max(gap_diffs) < GAP_DIFF_MS and np.median(gap_diffs) < GAP_DIFF_P50_MS
 
