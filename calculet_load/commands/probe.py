@@ -25,7 +25,7 @@ from calculet_load.schema.access import AccessError, access_from, add_access_arg
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.profiles import PROFILE_NAMES, profile_named
 from calculet_load.schema.records import record_to_dict
-from calculet_load.target.describe import discover_model
+from calculet_load.target.describe import model_for
 
 _STAMPS = (
     ("t0", "request_start", "request start"),
@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
             access, protocol, SimpleNamespace(profile=profile.name, tokenizer=tokenizer)
         )
         prompt = factory.prompt(args.prompt_tokens, args.sample)
-        if model is None and protocol != "llama":
-            model = discover_model(access, profile)
+        model = model_for(access, profile, protocol, model)
     except WorkloadError as exc:
         print(f"probe: {exc}", file=sys.stderr)
         return 2

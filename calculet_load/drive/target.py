@@ -8,6 +8,8 @@ from typing import Any
 
 from calculet_load.schema.access import AccessError, TargetAccess, access_from
 from calculet_load.schema.manifest import RunManifest
+from calculet_load.schema.profiles import profile_named
+from calculet_load.target.describe import model_for
 
 __all__ = ["RunTarget"]
 
@@ -15,7 +17,8 @@ __all__ = ["RunTarget"]
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunTarget:
     """Where the requests go and how they are spoken: `url` (no trailing slash), the
-    protocol adapter (`llama` when the manifest names none) and the model name; `access`,
+    protocol adapter (`llama` when the manifest names none) and the model name (the
+    manifest's, else the first the target lists: target.describe.model_for); `access`,
     how it is reached (TLS, base path, headers, API key: calculet_load.schema.access)."""
 
     url: str
@@ -43,4 +46,6 @@ class RunTarget:
         except AccessError as exc:
             raise error(f"target: {exc}") from None
         protocol = target.protocol if target else "llama"
-        return cls(found, protocol, target.model if target else None, access)
+        profile = profile_named(target.profile if target else "calculet")
+        model = model_for(access, profile, protocol, target.model if target else None)
+        return cls(found, protocol, model, access)

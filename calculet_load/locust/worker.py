@@ -37,8 +37,10 @@ from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.access import TargetAccess, access_from
 from calculet_load.schema.manifest import load_manifest
+from calculet_load.schema.profiles import profile_named
 from calculet_load.schema.records import RequestRecord
 from calculet_load.target.api import off_loop
+from calculet_load.target.describe import model_for
 from calculet_load.target.netprobe import measure_round, rounds_record
 from calculet_load.workload.arrivals import RateClock, Schedule, load_replay
 from calculet_load.workload.dispatch import OpenLoop, Sender
@@ -145,7 +147,12 @@ class Worker:
             ctx,
             self.access,
             self.opts.protocol,
-            model=self.opts.model or None,
+            model=model_for(
+                self.access,
+                profile_named(self.opts.target_profile),
+                self.opts.protocol,
+                self.opts.model or None,
+            ),
             max_in_flight=max(int(self.opts.max_in_flight), 1) + 64,
             timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
             sink=self.sink,

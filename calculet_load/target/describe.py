@@ -51,6 +51,16 @@ def discover_model(
     return ids[0] if ids else None
 
 
+def model_for(
+    url: str | TargetAccess, profile: TargetProfile, protocol: str, given: str | None
+) -> str | None:
+    """The model name to send: the one given, else (an OpenAI protocol on a server that
+    is not Calculet: vLLM refuses any other name) the first one the target lists."""
+    if given or protocol == "llama" or profile.name == "calculet":
+        return given or None
+    return discover_model(url, profile)
+
+
 def check_health(url: str | TargetAccess, profile: TargetProfile, timeout_s: float = 30.0) -> str:
     """The target's health as its profile reads it ("ok"); raises OSError (unreachable,
     or not healthy, with what it answered). Calculet and llama.cpp answer

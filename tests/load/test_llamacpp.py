@@ -27,6 +27,8 @@ from calculet_load.measure.prompts import (
     target_prompts,
 )
 from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.schema.profiles import profile_named
+from calculet_load.target.describe import model_for
 from tests.llamacpp import LlamaServer, tokenizer_path
 from tests.load.acceptkit import read_events, relaxed_rules, write_manifest, write_matrix
 from tests.load.locustproc import LocustRun
@@ -274,3 +276,11 @@ def test_faults_capacity_and_soak_use_what_llama_cpp_has(
     assert code == 0, capsys.readouterr().out
     verdict = json.loads((soak / "soak.json").read_text())
     assert verdict["exit_code"] == 0, verdict
+
+
+def test_the_model_is_the_one_the_target_lists_when_none_is_given(llama: LlamaServer) -> None:
+    profile = profile_named("llama.cpp")
+    listed = model_for(llama.url, profile, "openai-chat", None)
+    assert listed is not None and listed.endswith(".gguf")  # llama-server lists its file
+    assert model_for(llama.url, profile, "openai-chat", "mine") == "mine"
+    assert model_for(llama.url, profile, "llama", None) is None  # /completion takes none
