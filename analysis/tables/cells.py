@@ -49,7 +49,7 @@ CELL_FIELDS = ("ext.cell", "workload.concurrency", "ext.arrival", "workload.stre
 SUMMARY_PARTITIONS = (Partition.MEASURED, Partition.THROTTLED, Partition.WARMUP)
 
 ERROR_GROUPS: dict[str, tuple[str, ...]] = {
-    "http_4xx": ("http_4xx",),
+    "http_4xx": ("http_4xx", "auth", "not_found"),  # every 4xx answer (401/403, 404)
     "http_5xx": ("http_5xx", "server_error_event"),
     "timeout": ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout"),
 }

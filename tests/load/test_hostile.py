@@ -699,7 +699,7 @@ DEEP_JSON = b"[" * 100_000
         pytest.param(
             http(b'{"detail":"no"}', "close", status=b"404 Not Found", ctype=b"application/json"),
             404,
-            "http_4xx",
+            "not_found",
             "404",
             "error body without an error object",
             id="404-close-delimited",
