@@ -42,12 +42,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.client import RunClient
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
-from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, target_prompts
-from calculet_load.measure.session import RequestSpec, RunContext, Session
-from calculet_load.measure.sink import PartSink
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.session import RequestSpec
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.profiles import profile_named
 from calculet_load.target.api import TargetAPI, off_loop, time_scale
@@ -115,7 +114,7 @@ class Capacity:
         self.a = args
         self.door = door  # the backlog's Theil–Sen slope
         self.manifest = load_manifest(args.manifest)
-        t = RunTarget.of(self.manifest, args.url, ValueError)
+        t = self.target = RunTarget.of(self.manifest, args.url, ValueError)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
@@ -142,27 +141,14 @@ class Capacity:
     # ------------------------------------------------------------------ the search
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sink = PartSink(str(self.run_dir), "w00")
-        timeout = self.manifest.timeout_s
-        self.session = Session(
-            RunContext.from_manifest(self.manifest, "w00"),
-            self.access,
-            self.protocol,
-            model=self.model,
-            max_in_flight=self.a.max_in_flight + 64,
-            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
-            sink=self.sink,
-            prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
+        self.client = RunClient.open(
+            self.manifest, self.target, self.run_dir, "w00", max_in_flight=self.a.max_in_flight + 64
         )
-        self.factory = target_prompts(
-            self.access, self.protocol, self.manifest.target, off_loop=off_loop
-        )
-        self.prompts: dict[tuple[int, int], Prompt] = {}
+        self.session = self.client.session
         try:
             code = run_in_greenlet(self._search)
         finally:
-            self.session.close()
-            self.sink.close()
+            self.client.close()
         return code
 
     def _search(self) -> int:
@@ -216,11 +202,6 @@ class Capacity:
                     hi = mid
         return self._finish(lo, hi)
 
-    def _prompt(self, tokens: int, sample: int) -> Prompt:
-        if (tokens, sample) not in self.prompts:
-            self.prompts[(tokens, sample)] = self.factory.prompt(tokens, sample)
-        return self.prompts[(tokens, sample)]
-
     # ------------------------------------------------------------------ a window
     def _window(self, rate: float) -> dict[str, Any]:
         a = self.a
@@ -267,7 +248,7 @@ class Capacity:
         def spec_for(k: int, due: int) -> RequestSpec:
             entry, sample = chooser.entry_for(k)
             return RequestSpec(
-                prompt=self._prompt(entry.prompt_tokens, sample),
+                prompt=self.client.prompt(entry.prompt_tokens, sample),
                 max_tokens=entry.max_tokens,
                 stream=entry.stream,
                 cell=cell,

@@ -42,6 +42,7 @@ import gevent
 from calculet_load.accept.faultstep import run_fault_step
 from calculet_load.clock import clock_provenance
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.client import RunClient
 from calculet_load.drive.steps import (
     EventLog,
     Step,
@@ -58,11 +59,9 @@ from calculet_load.errors import (
     EXIT_OK,
     RunStop,
 )
-from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
-from calculet_load.measure.selfwatch import SelfWatch
-from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
-from calculet_load.measure.sink import PartSink
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.prompts import Prompt, WorkloadError
+from calculet_load.measure.session import RequestSpec, golden_spec
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.schema.profiles import TargetProfile, profile_named
 from calculet_load.schema.prometheus import chip_gauges, device_sample
@@ -153,7 +152,7 @@ class Pipeline:
             self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
         except (ManifestError, MatrixError) as exc:
             raise RunStop(EXIT_INVALID, str(exc)) from None
-        t = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
+        t = self.target = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
@@ -217,26 +216,12 @@ class Pipeline:
             attempt = int(self.plan.get("attempts", 1)) + 1
             self.plan["attempts"] = attempt
         self.worker = "w00" if attempt == 1 else f"w00-r{attempt - 1}"
-        ctx = RunContext.from_manifest(self.manifest, self.worker)
-        self.sink = PartSink(str(self.run_dir), self.worker)
-        timeout = self.manifest.timeout_s
-        self.session = Session(
-            ctx,
-            self.access,
-            self.protocol,
-            model=self.model,
-            max_in_flight=1024,
-            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
-            sink=self.sink,
-            prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
+        self.client = RunClient.open(
+            self.manifest, self.target, self.run_dir, self.worker, max_in_flight=1024
         )
-        self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
-        self.watch.start()
+        self.sink, self.session = self.client.sink, self.client.session
+        self.client.watch.start()
         self.clients: Any = InProcess(CellRunner(self.session, self._prompt))
-        self.prompts: dict[tuple[int, int], Prompt] = {}
-        self.factory = target_prompts(
-            self.access, self.protocol, self.manifest.target, off_loop=off_loop
-        )
         return resumed
 
     def _set_aside(self) -> None:
@@ -263,9 +248,7 @@ class Pipeline:
             self.sampler.stop()
         if self.fleet is not None:
             self._close_fleet()
-        self.watch.stop()
-        self.session.close()
-        self.sink.close()
+        self.client.close()  # the self-watch, the session, the sink's last part
 
     def end(self) -> int:
         if self.code in (EXIT_OK, EXIT_FAIL):
@@ -590,13 +573,13 @@ class Pipeline:
 
     def _job(self) -> dict[str, Any]:
         """What a worker of a distributed run needs to send on this run's behalf."""
-        ctx = dataclasses.asdict(RunContext.from_manifest(self.manifest, self.worker))
+        ctx = dataclasses.asdict(self.client.ctx)
         t = self.manifest.target
         target = {"url": self.url, "protocol": self.protocol, "model": self.model,
                   "timeout_s": self.manifest.timeout_s,
                   "profile": t.profile if t else "calculet",
                   "tokenizer": t.tokenizer if t else None,
-                  "prompt_reuse": bool(t and t.prompt_reuse),
+                  "prompt_reuse": self.client.prompt_reuse,
                   # how it was reached: secrets redacted, the key by its source only
                   "access": self.access.describe()}  # fmt: skip
         return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
@@ -733,15 +716,12 @@ class Pipeline:
 
     # --------------------------------------------------------------- prompts
     def _prompt(self, tokens: int, sample: int) -> Prompt:
-        key = (tokens, sample)
-        if key not in self.prompts:
-            try:
-                self.prompts[key] = self.factory.prompt(tokens, sample)
-            except WorkloadError as exc:
-                raise RunStop(EXIT_INVALID, f"prompt: {exc}") from None
-            except OSError as exc:
-                raise RunStop(EXIT_INFRA, f"prompt: /tokenize unreachable: {exc}") from None
-        return self.prompts[key]
+        try:
+            return self.client.prompt(tokens, sample)
+        except WorkloadError as exc:
+            raise RunStop(EXIT_INVALID, f"prompt: {exc}") from None
+        except OSError as exc:
+            raise RunStop(EXIT_INFRA, f"prompt: /tokenize unreachable: {exc}") from None
 
 
 # The driver as steps (calculet_load.drive.steps): each logged with its outcome, except

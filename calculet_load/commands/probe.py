@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         else RunContext(run_id, "probe")
     )
     timeout = args.timeout or (manifest.timeout_s if manifest is not None else 900.0)
-    timeouts = Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout)
+    timeouts = Timeouts.within(timeout)
     try:
         profile = profile_named(
             args.target_profile or (target.profile if target else None) or "calculet"

@@ -352,8 +352,8 @@ def _do_send(fm: FaultMatrix, run: Run, s: Send) -> None:
 def _illegal_prompt(fm: FaultMatrix, n: int) -> Prompt:
     """A prompt of exactly n tokens (0 and over the context included)."""
     if n <= 0:
-        return Prompt("illegal:empty", 0, "" if fm.factory.mode == "chat" else [])
-    if fm.factory.mode == "chat":
+        return Prompt("illegal:empty", 0, "" if fm.client.factory.mode == "chat" else [])
+    if fm.client.factory.mode == "chat":
         from calculet_load.measure.prompts import sample_words
 
         return Prompt("illegal:over", n, " ".join(sample_words(0, 0, n)))

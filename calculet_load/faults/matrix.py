@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -51,6 +52,7 @@ from typing import Any
 
 import gevent
 
+from calculet_load.drive.client import RunClient
 from calculet_load.drive.steps import Step, run_steps
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
@@ -75,13 +77,12 @@ from calculet_load.faults.maintenance import (
 )
 from calculet_load.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
 from calculet_load.faults.spec import FaultScenario, FaultSpecError, load_scenarios
-from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
-from calculet_load.measure.session import RequestSpec, RunContext, Session
-from calculet_load.measure.sink import PartSink
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.prompts import Prompt, WorkloadError
+from calculet_load.measure.session import RequestSpec, Session
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.schema.profiles import profile_named
-from calculet_load.target.api import TargetAPI, off_loop
+from calculet_load.target.api import TargetAPI
 from calculet_load.workload.matrix import GoldenSet, MatrixError, load_golden
 
 FAULTS_SCHEMA = "calculet-faults/v1"
@@ -146,7 +147,7 @@ class FaultMatrix:
             self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
         except (ManifestError, FaultSpecError, MatrixError) as exc:
             raise RunStop(EXIT_INVALID, str(exc)) from None
-        t = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
+        t = self.target = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.run_dir = Path(opts.run_dir or Path("runs") / f"{self.manifest.run_id}")
@@ -176,23 +177,12 @@ class FaultMatrix:
         return "all" in b or sc.name in b
 
     def session(self, timeout_s: float | None) -> Session:
-        key = None if timeout_s is None else round(timeout_s, 3)
-        if key not in self.sessions:
-            total = self.manifest.timeout_s if key is None else key
-            self.sessions[key] = _FaultSession(
-                self.ctx,
-                self.access,
-                self.protocol,
-                model=self.model,
-                max_in_flight=4096,
-                timeouts=Timeouts(connect_s=min(10.0, total), total_s=total, first_byte_s=total),
-                sink=self.sink,
-                ids=self.ids,
-            )
-        return self.sessions[key]
+        """The session whose requests are bounded by `timeout_s` real seconds (None: the
+        manifest's); all of them take their request ids from one counter."""
+        return self.client.session_for(timeout_s)
 
     def prompt(self, tokens: int, sample: int) -> Prompt:
-        return self.factory.prompt(tokens, sample)
+        return self.client.prompt(tokens, sample)
 
     def real(self, target_s: float) -> float:
         return target_s * self.scale + self.o.slack_s
@@ -211,12 +201,13 @@ class FaultMatrix:
         out.mkdir(parents=True, exist_ok=True)
         self.events_path = out / "server_events.jsonl"
         self.maintenance_path = out / "maintenance.jsonl"
-        self.ctx = RunContext.from_manifest(self.manifest, self.o.worker)
-        self.sink = PartSink(str(out), self.o.worker)
-        self.ids = itertools.count(1)
-        self.sessions: dict[float | None, Session] = {}
-        self.factory = target_prompts(
-            self.access, self.protocol, self.manifest.target, off_loop=off_loop
+        self.client = RunClient.open(
+            self.manifest,
+            self.target,
+            out,
+            self.o.worker,
+            max_in_flight=4096,
+            make_session=functools.partial(_FaultSession, ids=itertools.count(1)),
         )
         started = time.time_ns()
         try:
@@ -228,9 +219,7 @@ class FaultMatrix:
         else:
             self.infra_error = None
         finally:
-            for s in self.sessions.values():
-                s.close()
-            self.sink.close()
+            self.client.close()
         self._write(started)
         return self.code
 

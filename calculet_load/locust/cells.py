@@ -328,7 +328,7 @@ class Agent:
             target["protocol"],
             model=target.get("model"),
             max_in_flight=1024,
-            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
+            timeouts=Timeouts.within(timeout),
             sink=self.sink,
             prompt_reuse=bool(target.get("prompt_reuse")),
         )

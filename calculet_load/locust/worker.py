@@ -154,7 +154,7 @@ class Worker:
                 self.opts.model or None,
             ),
             max_in_flight=max(int(self.opts.max_in_flight), 1) + 64,
-            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
+            timeouts=Timeouts.within(timeout),
             sink=self.sink,
             prompt_reuse=bool(self.opts.prompt_reuse),
         )

@@ -91,6 +91,12 @@ class Timeouts:
     idle_s: float = 300.0
     total_s: float = 900.0
 
+    @classmethod
+    def within(cls, total_s: float) -> Timeouts:
+        """A request bounded by one timeout (a run's `timeout_s`): connected within it (at
+        most 10 s), its first byte and its whole response within it."""
+        return cls(connect_s=min(10.0, total_s), total_s=total_s, first_byte_s=total_s)
+
 
 class Endpoint:
     """Where requests go: a URL (http or https, with a base path) or a TargetAccess

@@ -64,14 +64,12 @@ import psutil
 
 from calculet_load.clock import wall_iso
 from calculet_load.doors import AnalysisDoor
+from calculet_load.drive.client import RunClient
 from calculet_load.drive.steps import EventLog, Step, run_steps
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
-from calculet_load.measure.client import Timeouts, run_in_greenlet
-from calculet_load.measure.prompts import Prompt, target_prompts
-from calculet_load.measure.selfwatch import SelfWatch
-from calculet_load.measure.session import RequestSpec, RunContext, Session, golden_spec
-from calculet_load.measure.sink import PartSink
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.session import RequestSpec, golden_spec
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.soak import state as soakstate
 from calculet_load.soak.judge import (
@@ -93,7 +91,7 @@ from calculet_load.soak.stage import (
     stage_json_schema,
 )
 from calculet_load.soak.state import STATE_FILE, TRACE_KINDS, JsonLines
-from calculet_load.target.api import TargetAPI, off_loop, time_scale
+from calculet_load.target.api import TargetAPI, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.matrix import MatrixError, load_golden
@@ -115,7 +113,7 @@ class Soak:
         self.analysis = analysis  # the analysis, from calculet_load.commands (or none)
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
-        t = RunTarget.of(self.manifest, args.url, StageError)
+        t = self.target = RunTarget.of(self.manifest, args.url, StageError)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
@@ -225,31 +223,16 @@ class Soak:
         if self.state is None:
             (self.run_dir / "manifest.yaml").write_text(Path(self.args.manifest).read_text())
         self.attempt = soakstate.new_attempt(self.worker)
-        self.ctx = RunContext.from_manifest(self.manifest, self.worker)
-        self.sink = PartSink(str(self.run_dir), self.worker)
-        timeout = self.manifest.timeout_s
-        self.session = Session(
-            self.ctx,
-            self.access,
-            self.protocol,
-            model=self.model,
-            max_in_flight=4096,
-            timeouts=Timeouts(connect_s=min(10.0, timeout), total_s=timeout, first_byte_s=timeout),
-            sink=self.sink,
-            prompt_reuse=bool(self.manifest.target and self.manifest.target.prompt_reuse),
+        self.client = RunClient.open(
+            self.manifest, self.target, self.run_dir, self.worker, max_in_flight=4096
         )
+        self.sink, self.session = self.client.sink, self.client.session
         self.session.hooks.append(self._count)
-        self.factory = target_prompts(
-            self.access, self.protocol, self.manifest.target, off_loop=off_loop
-        )
-        self.prompts: dict[tuple[int, int], Prompt] = {}
-        self.watch = SelfWatch(self.sink, self.worker, in_flight=lambda: self.session.in_flight)
         code = EXIT_OK
         try:
             code = run_in_greenlet(self._run)
         finally:
-            self.session.close()
-            self.sink.close()
+            self.client.close()
         return code
 
     def _on_signal(self, signum: int) -> None:
@@ -383,7 +366,7 @@ class Soak:
         )
         self.plan.setdefault("prewarmed_connections", prewarmed)
         self.plan["prompts_prebuilt"] = self._prebuild_prompts()
-        self.watch.start()
+        self.client.watch.start()
         from calculet_load.target.resources import ResourceSampler
 
         sampler = ResourceSampler(
@@ -426,7 +409,7 @@ class Soak:
         finally:
             self.attempt["loaded_real_s"] = round(time.monotonic() - t0, 3)
             gevent.killall(background)
-            self.watch.stop()
+            self.client.watch.stop()
             sampler.stop()
             self._collect_traces(final=True)
             self._client_sample()
@@ -478,16 +461,10 @@ class Soak:
         self.counts["sent"] += 1
 
     # ------------------------------------------------------------------ load
-    def _prompt(self, tokens: int, sample: int) -> Prompt:
-        key = (tokens, sample)
-        if key not in self.prompts:
-            self.prompts[key] = self.factory.prompt(tokens, sample)
-        return self.prompts[key]
-
     def _spec(self, k: int, chooser: Any, **kw: Any) -> RequestSpec:
         entry, sample = chooser.entry_for(k)
         return RequestSpec(
-            prompt=self._prompt(entry.prompt_tokens, sample),
+            prompt=self.client.prompt(entry.prompt_tokens, sample),
             max_tokens=entry.max_tokens,
             stream=entry.stream,
             temperature=entry.temperature,
@@ -506,8 +483,8 @@ class Soak:
         for mix in mixes:
             for entry in mix.entries:
                 for sample in range(entry.samples):
-                    self._prompt(entry.prompt_tokens, sample)
-        return len(self.prompts)
+                    self.client.prompt(entry.prompt_tokens, sample)
+        return len(self.client.prompts)
 
     def _seed(self) -> int:
         """The arrival seed of this attempt (a resumed attempt draws new arrivals)."""
@@ -646,7 +623,7 @@ class Soak:
         assert self.golden is not None
         failures = []
         for case in self.golden.cases:
-            prompt = self._prompt(case.prompt_tokens, case.sample)
+            prompt = self.client.prompt(case.prompt_tokens, case.sample)
             spec = golden_spec(case, prompt, f"golden_{when}:{case.name}")
             _, out = self.session.send(spec)
             if out.error_class is not None:
