@@ -4,6 +4,8 @@ out; the sampler (calculet_load.target.resources) and the analysis both use it."
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -11,8 +13,10 @@ __all__ = [
     "METRIC_NAMES",
     "chip_gauges",
     "device_sample",
+    "parse_exposition",
     "parse_metrics",
     "resource_fields",
+    "samples",
 ]
 
 # ResourceRow field -> Prometheus series (first present wins; chip series are summed).
@@ -33,9 +37,10 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
 FLOAT_FIELDS = {"device_memory_mib", "time_scale"}
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition → {metric name: value summed over its label sets}."""
-    out: dict[str, float] = {}
+def samples(text: str) -> Iterator[tuple[str, float | None]]:
+    """Every sample of a Prometheus text (or OpenMetrics) exposition, in order: the series
+    as written (`name{labels}`) and its value; a timestamp after the value is ignored,
+    NaN and ±Inf are None, comments and lines that do not parse are passed over."""
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line[0] == "#":
@@ -46,12 +51,31 @@ def parse_metrics(text: str) -> dict[str, float]:
         if end <= 0:
             continue
         fields = line[end:].split()
+        if not fields:
+            continue
         try:
-            value = float(fields[0]) if fields else None
+            value = float(fields[0])
         except ValueError:
             continue
-        if value is not None and value == value and abs(value) != float("inf"):
-            name = line[:end].split("{", 1)[0]
+        yield line[:end], value if math.isfinite(value) else None
+
+
+def parse_exposition(text: str, *, buckets: bool = True) -> dict[str, float | None]:
+    """Every sample of an exposition: series -> value (`samples`). `buckets=False` leaves
+    out `*_bucket` series."""
+    return {
+        series: value
+        for series, value in samples(text)
+        if buckets or not series.split("{", 1)[0].endswith("_bucket")
+    }
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition → {metric name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for series, value in samples(text):
+        if value is not None:
+            name = series.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + value
     return out
 

@@ -25,13 +25,12 @@ import http.client
 import ipaddress
 import json
 import logging
-import math
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import psutil
@@ -39,6 +38,7 @@ import pyarrow.fs as pafs
 
 from calculet_load.schema.access import TargetAccess
 from calculet_load.schema.fs import resolve_fs
+from calculet_load.schema.prometheus import parse_exposition  # the one parser
 from calculet_load.schema.scrape import (
     SERVER_METRICS_FILE,
     SERVER_PROCESS_FILE,
@@ -64,50 +64,17 @@ T = TypeVar("T")
 
 
 def _pooled_if_patched(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in gevent's thread pool when gevent patched this process, else here.
-
-    Not `target.api.off_loop` (which always uses the pool): the sampler also runs in a
-    native thread of a process gevent did not patch, where the call belongs inline."""
+    """`fn(*args)` through `target.api.off_loop` (gevent's thread pool) when gevent
+    patched this process, else here: the sampler also runs in a native thread of a
+    process gevent did not patch, where the call belongs inline (and gevent unimported)."""
     if "gevent" in sys.modules:
-        from gevent import get_hub, monkey
+        from gevent import monkey
 
         if monkey.is_module_patched("threading"):
-            return cast(T, get_hub().threadpool.apply(fn, args))
+            from calculet_load.target.api import off_loop  # imports gevent
+
+            return off_loop(lambda: fn(*args))
     return fn(*args)
-
-
-def parse_exposition(text: str, *, buckets: bool = True) -> dict[str, float | None]:
-    """Every sample of a Prometheus text (or OpenMetrics) exposition: series -> value.
-
-    The series is written as in the text (`name{labels}`); a timestamp after the value
-    is ignored; NaN and ±Inf become None. `buckets=False` leaves out `*_bucket` series."""
-    out: dict[str, float | None] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line[0] == "#":
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            end = line.rfind("}") + 1  # a label value may hold spaces, the value no '}'
-            if end == 0:
-                continue
-        else:
-            end = space
-        if end <= 0:
-            continue
-        key, fields = line[:end], line[end:].split()
-        if not fields:
-            continue
-        name = key.split("{", 1)[0]
-        if not buckets and name.endswith("_bucket"):
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        out[key] = value if math.isfinite(value) else None
-    return out
 
 
 # ------------------------------------------------------------------ the process
