@@ -77,9 +77,9 @@ from calculet_load.faults.maintenance import (
 )
 from calculet_load.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
 from calculet_load.faults.spec import FaultScenario, FaultSpecError, load_scenarios
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.client import Outcome, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, WorkloadError
-from calculet_load.measure.session import RequestSpec, Session
+from calculet_load.measure.session import RequestSpec, Session, golden_spec
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.schema.profiles import profile_named
 from calculet_load.target.api import TargetAPI
@@ -437,17 +437,23 @@ class FaultMatrix:
             if g.exception is not None:
                 raise g.exception
 
-    def _reference(self, key: tuple[int, int, int]) -> None:
+    def _send_reference(self, key: tuple[int, int, int], cell: str) -> Outcome:
+        """The reference request of `key` (prompt tokens, sample, output tokens): its
+        prompt as built, unstreamed, so that its output hash is comparable."""
         p, sample, n = key
         spec = RequestSpec(
             prompt=self.prompt(p, sample),
             max_tokens=n,
             stream=False,
-            cell="fault:reference",
+            cell=cell,
             arrival="fault",
             reuse=True,
         )
-        _, out = self.session(None).send(spec)
+        return self.session(None).send(spec)[1]
+
+    def _reference(self, key: tuple[int, int, int]) -> None:
+        p, sample, n = key
+        out = self._send_reference(key, "fault:reference")
         if out.ok and out.output_tokens == n:
             self.references[key] = out.token_hash
         else:
@@ -524,31 +530,16 @@ class FaultMatrix:
         keys = sorted({r.key for r in run.obs.requests if r.key is not None} | set(_keys(run.sc)))
         for key in keys:
             p, sample, n = key
-            spec = RequestSpec(
-                prompt=self.prompt(p, sample),
-                max_tokens=n,
-                stream=False,
-                cell="fault:golden_after",
-                arrival="fault",
-                reuse=True,
-            )
-            _, out = self.session(None).send(spec)
+            out = self._send_reference(key, "fault:golden_after")
             checked += 1
             if not out.ok:
                 failures.append(f"p{p}-s{sample}-o{n}: {out.http_status} {out.error_code}")
             elif out.token_hash != self.references.get(key):
                 failures.append(f"p{p}-s{sample}-o{n}: output differs from the reference")
         for case in self.golden.cases if self.golden else []:
-            spec = RequestSpec(
-                prompt=self.prompt(case.prompt_tokens, case.sample),
-                max_tokens=case.max_tokens,
-                stream=False,
-                temperature=case.temperature,
-                seed=case.seed,
-                cell=f"fault:golden:{case.name}",
-                arrival="fault",
-                reuse=True,
-            )
+            prompt = self.prompt(case.prompt_tokens, case.sample)
+            over = {"stream": False, "arrival": "fault", "concurrency": None}
+            spec = golden_spec(case, prompt, f"fault:golden:{case.name}", **over)
             _, out = self.session(None).send(spec)
             checked += 1
             if not out.ok:

@@ -111,17 +111,18 @@ class RequestSpec:
         return "greedy" if self.temperature == 0 else "seeded"
 
 
-def golden_spec(case: Any, prompt: Prompt, cell: str) -> RequestSpec:
-    """The request of one golden case (a `calculet_load.workload.matrix.GoldenCase`)."""
+def golden_spec(case: Any, prompt: Prompt, cell: str, **over: Any) -> RequestSpec:
+    """The request of one golden case (a `calculet_load.workload.matrix.GoldenCase`);
+    `over`: fields a driver sends otherwise (the fault matrix: unstreamed)."""
+    fields: dict[str, Any] = {"concurrency": 1, "arrival": "single"} | over
     return RequestSpec(
         prompt=prompt,
         max_tokens=case.max_tokens,
         temperature=case.temperature,
         seed=case.seed,
         cell=cell,
-        concurrency=1,
-        arrival="single",
         reuse=True,
+        **fields,
     )
 
 
