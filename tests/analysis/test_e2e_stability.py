@@ -21,8 +21,9 @@ from tests.load.locustproc import LocustRun
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 # the leak's RSS growth needs the request count a quiet machine reaches; the fault run's
-# time-scaled simulator needs its timing (serial: run alone)
-pytestmark = pytest.mark.serial
+# time-scaled simulator needs its timing (quiet: after the parallel phase, beside one other
+# file at most)
+pytestmark = pytest.mark.quiet
 
 StartSim = Callable[..., SimProcess]
 SCALE = ["--time-scale", "0.02"]  # 50 server seconds per second

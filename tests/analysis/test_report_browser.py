@@ -37,8 +37,8 @@ from tests.load.locustproc import LocustRun
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 # the regression report compares two real-time runs, and short Locust runs lose requests
-# on a busy machine: serial (run alone)
-pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]
+# on a busy machine: quiet (after the parallel phase, beside one other file at most)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.quiet]
 
 MANIFEST = REPO / "configs" / "manifest.sim.yaml"
 LOAD = ["-u", "1", "-r", "1", "--prompt-tokens", "512", "--max-tokens", "16"]
