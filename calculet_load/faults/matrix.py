@@ -706,8 +706,8 @@ def run(args: argparse.Namespace) -> int:
     s = doc["summary"]
     print(
         f"faults: {s[PASS]} pass, {s[FAIL]} fail, {s[ERROR]} error, {s[SKIPPED]} skipped, "
-        f"{s[NOT_RUN]} NOT RUN (not authorized by the manifest), "
-        f"{s[NOT_AVAILABLE]} not available on this target; "
-        f"exit {code}; {fm.run_dir / 'faults.json'}"
+        f"{s[NOT_RUN]} NOT RUN (not authorized by the manifest); "
+        + (f"{s[NOT_AVAILABLE]} not available on this target; " if s[NOT_AVAILABLE] else "")
+        + f"exit {code}; {fm.run_dir / 'faults.json'}"
     )
     return code

@@ -130,7 +130,7 @@ def test_designed_matrix_exits_0(designed: Designed) -> None:
     failed = {s["name"]: s["evidence"] for s in doc["scenarios"] if s["verdict"] != "PASS"}
     assert code == 0, json.dumps(failed, indent=1, default=str)[:4000]
     assert doc["summary"] == {"PASS": len(SCENARIOS), "FAIL": 0, "ERROR": 0, "SKIPPED": 0,
-                              "NOT_RUN": 0}  # fmt: skip
+                              "NOT_RUN": 0, "NOT_AVAILABLE": 0}  # fmt: skip
     assert doc["maintenance_authorization"]["operator"] == "alice@example.com"
     assert doc["time_scale"] == 0.02
 
