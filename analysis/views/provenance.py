@@ -94,10 +94,18 @@ def _endpoint_facts(rv: RunView) -> list[tuple[str, str]]:
     """Warnings about how the target was reached and what that did to the timings:
     certificate verification off (--insecure), and events a proxy delivered coalesced."""
     facts: list[tuple[str, str]] = []
+
+    def at(doc: Any, *keys: str) -> Any:
+        """doc[k1][k2]...; None where a level is missing or not a mapping (a plan's
+        `target` is its URL in some runs, a mapping in others)."""
+        for key in keys:
+            doc = doc.get(key) if isinstance(doc, dict) else None
+        return doc
+
     accesses = [
-        ((rv.manifest or {}).get("target") or {}),
-        ((rv.index or {}).get("options") or {}).get("target_access") or {},
-        (((rv.plan or {}).get("target") or {}).get("access") or {}),
+        at(rv.manifest, "target"),
+        at(rv.index, "options", "target_access"),
+        at(rv.plan, "target", "access"),
     ]
     insecure = [a for a in accesses if isinstance(a, dict) and a.get("insecure") is True]
     if insecure:

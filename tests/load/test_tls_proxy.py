@@ -113,6 +113,7 @@ def _server_rows(sim: SimProcess, last_request: str) -> list[dict[str, object]]:
         time.sleep(0.1)
 
 
+@pytest.mark.serial  # bounds of a few ms between the server's flush and the client's read
 def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
     stack: tuple[SimProcess, Nginx, Pki], tmp_path: Path
 ) -> None:
