@@ -284,9 +284,9 @@ def test_shared_lease_and_release_in_flight_detection() -> None:
 
 
 # every matrix here runs a 50x time-scaled simulator: its backoffs and waits are short
-# enough that a busy machine turns a designed PASS into a FAIL; one neighbour of the quiet
-# phase leaves them their timing (quiet: after the parallel phase, beside one other file)
-pytestmark = [pytest.mark.timeout(900), pytest.mark.quiet]
+# enough that a busy machine turns a designed PASS into a FAIL, and even one neighbour of
+# the quiet phase did (repeated_faults' backoff doubling): they run alone (serial)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.serial]
 
 
 # ------------------------------------------------------------------ the accept step
