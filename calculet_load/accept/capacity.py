@@ -48,7 +48,6 @@ from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.session import RequestSpec
 from calculet_load.schema.manifest import ManifestError, load_manifest
-from calculet_load.schema.profiles import profile_named
 from calculet_load.target.api import TargetAPI, off_loop, time_scale
 from calculet_load.target.describe import check_health
 from calculet_load.workload.arrivals import RateClock, Schedule
@@ -152,19 +151,17 @@ class Capacity:
         return code
 
     def _search(self) -> int:
-        t = self.manifest.target
-        self.profile = profile_named(t.profile if t is not None else "calculet")
         try:
-            off_loop(lambda: check_health(self.access, self.profile))
+            off_loop(lambda: check_health(self.access, self.target.profile))
         except OSError as exc:
             self.say(f"capacity: target {self.url} unreachable: {exc}")
             return EXIT_INFRA
         self.scale = time_scale(self.api, self.a.time_scale_hint)
-        if self.profile.traces:
+        if self.target.profile.traces:
             self.api.skip_to_end("server_events")
         elif self.sla.max_queue_p99_ms is not None:
             self.say(
-                f"capacity: queue p99 not available: the {self.profile.name} target has no "
+                f"capacity: queue p99 not available: the {self.target.profile.name} target has no "
                 "traces (the queue SLA is not judged)"
             )
         self.session.pool.prewarm(min(self.a.max_in_flight, 64))
@@ -335,7 +332,7 @@ class Capacity:
         if sla.max_reject_rate is not None and reject_rate > sla.max_reject_rate:
             reasons.append(f"reject rate {reject_rate:.2%} > {sla.max_reject_rate:.2%}")
         for key, limit in (
-            ("queue_p99_ms", sla.max_queue_p99_ms if self.profile.traces else None),
+            ("queue_p99_ms", sla.max_queue_p99_ms if self.target.profile.traces else None),
             ("ttft_p99_ms", sla.max_ttft_p99_ms),
             ("e2e_p99_ms", sla.max_e2e_p99_ms),
         ):
@@ -350,7 +347,7 @@ class Capacity:
 
     def _queue_ms(self, rids: set[str]) -> float | None:
         """P99 of the server's queue time (accepted -> job_prepared of step 0), target ms."""
-        if not self.profile.traces:
+        if not self.target.profile.traces:
             return None
         try:
             rows = self.api.trace_rows("server_events")
@@ -371,12 +368,12 @@ class Capacity:
     def _drain(self) -> None:
         """Wait until the target is idle again (nothing queued or running)."""
         deadline = time.monotonic() + max(5.0, 60 * self.scale)
-        while time.monotonic() < deadline and not self.profile.admin_api:
+        while time.monotonic() < deadline and not self.target.profile.admin_api:
             # a target that is not Calculet says nothing of its queue: our requests ended
             if self.session.in_flight == 0:
                 break
             gevent.sleep(0.05)
-        while time.monotonic() < deadline and self.profile.admin_api:
+        while time.monotonic() < deadline and self.target.profile.admin_api:
             try:
                 if self.token:
                     st = self.api.state()

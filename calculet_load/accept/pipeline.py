@@ -1,4 +1,4 @@
-# size: the §8 steps in order; their plumbing is to become shared steps (issue 16)
+# size: one concept, the acceptance run: its §8 steps (drive.steps) and what each records
 """`calculet-load accept`: the automated acceptance run of spec §15 in the order of §8.
 
 Steps, each logged to `events.jsonl` in the run folder as it starts and ends:
@@ -63,7 +63,6 @@ from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.session import RequestSpec, golden_spec
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
-from calculet_load.schema.profiles import TargetProfile, profile_named
 from calculet_load.schema.prometheus import chip_gauges, device_sample
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI, off_loop
@@ -291,7 +290,7 @@ class Pipeline:
                     f"model.calbin_sha256 {m.calbin_sha256[:12]}…",
                 )
             checked.append("calbin file")
-        profile = self.profile
+        profile = self.target.profile
         try:
             health = off_loop(lambda: check_health(self.access, profile))
         except (OSError, ValueError) as exc:
@@ -407,7 +406,7 @@ class Pipeline:
         """The device as a cell starts or ends (§8: temperature and throttling per
         round): hottest chip, total power, lowest frequency, throttled chips; None when
         the target has no chip gauges."""
-        if not self.profile.device_telemetry:
+        if not self.target.profile.device_telemetry:
             return None
         try:
             v = chip_gauges(self._get("/metrics").decode())
@@ -585,15 +584,9 @@ class Pipeline:
         return {"run_id": self.manifest.run_id, "context": ctx, "target": target}
 
     # --------------------------------------------------------------- 7 resources
-    @property
-    def profile(self) -> TargetProfile:
-        """What kind of server the target is (the manifest's target.profile)."""
-        t = self.manifest.target
-        return profile_named(t.profile if t is not None else "calculet")
-
     def _lacks(self, what: str) -> StepResult | None:
         """`not_available` when the target's profile says it has no `what`."""
-        p = self.profile
+        p = self.target.profile
         has = {"admin API": p.admin_api, "traces": p.traces, "device telemetry": p.device_telemetry}
         if has[what]:
             return None

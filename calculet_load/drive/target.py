@@ -8,7 +8,7 @@ from typing import Any
 
 from calculet_load.schema.access import AccessError, TargetAccess, access_from
 from calculet_load.schema.manifest import RunManifest
-from calculet_load.schema.profiles import profile_named
+from calculet_load.schema.profiles import TargetProfile, profile_named
 from calculet_load.target.describe import model_for
 
 __all__ = ["RunTarget"]
@@ -25,6 +25,7 @@ class RunTarget:
     protocol: str
     model: str | None
     access: TargetAccess
+    profile: TargetProfile  # what kind of server it is (schema.profiles)
 
     @classmethod
     def of(
@@ -48,4 +49,4 @@ class RunTarget:
         protocol = target.protocol if target else "llama"
         profile = profile_named(target.profile if target else "calculet")
         model = model_for(access, profile, protocol, target.model if target else None)
-        return cls(found, protocol, model, access)
+        return cls(found, protocol, model, access, profile)

@@ -224,9 +224,7 @@ class FaultMatrix:
         return self.code
 
     def _all(self) -> None:
-        profile = profile_named(
-            self.manifest.target.profile if self.manifest.target else "calculet"
-        )
+        profile = self.target.profile
         if not profile.admin_api:
             for sc in self.scenarios:
                 why = f"the {profile.name} target has no admin API to inject faults through"
