@@ -61,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=PROFILE_NAMES,
         help="what kind of server the target is (default: the manifest's, else calculet)",
     )
-    p.add_argument("--tokenizer", help="a local tokenizer.json that sizes the prompt")
+    p.add_argument(
+        "--tokenizer",
+        help="a local tokenizer.json that sizes the prompt (and counts events the server "
+        "sends no count for)",
+    )
     p.add_argument(
         "--prompt-reuse",
         action="store_true",
@@ -128,7 +132,14 @@ def run(args: argparse.Namespace) -> int:
     sink = PartSink(run_dir, "probe")
     reuse = bool(args.prompt_reuse or (target and target.prompt_reuse))
     session = Session(
-        ctx, access, protocol, model=model, timeouts=timeouts, sink=sink, prompt_reuse=reuse
+        ctx,
+        access,
+        protocol,
+        model=model,
+        timeouts=timeouts,
+        sink=sink,
+        prompt_reuse=reuse,
+        count_text=factory.count_text,
     )
     spec = RequestSpec(
         prompt=prompt,

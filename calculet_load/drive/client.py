@@ -98,6 +98,7 @@ class RunClient:
                 timeouts=Timeouts.within(self.manifest.timeout_s if key is None else key),
                 sink=self.sink,
                 prompt_reuse=self.prompt_reuse,
+                count_text=self.factory.count_text,
             )
         return self.sessions[key]
 

@@ -339,6 +339,7 @@ class Agent:
             target["protocol"],
             SimpleNamespace(profile=target.get("profile"), tokenizer=target.get("tokenizer")),
         )
+        self.session.count_text = self.factory.count_text
         self.prompts: dict[tuple[int, int], Prompt] = {}
         self.cells = CellRunner(self.session, self.prompt)
         self.pending: dict[str, Share] = {}

@@ -101,7 +101,12 @@ def _add_options(parser: Any) -> None:
         default="calculet",
         help="what kind of server the target is: how prompts are sized (docs/targets.md)",
     )
-    opt("--tokenizer", default="", help="a local tokenizer.json that sizes the prompts")
+    opt(
+        "--tokenizer",
+        default="",
+        help="a local tokenizer.json that sizes the prompts (and counts the events that "
+        "carry no count from the server)",
+    )
     opt(
         "--prompt-reuse",
         action="store_true",

@@ -207,6 +207,7 @@ class Worker:
                         profile=self.opts.target_profile, tokenizer=self.opts.tokenizer
                     ),
                 )
+                self.session.count_text = self._factory.count_text
             p = self._prompts[key] = self._factory.prompt(tokens, sample)
         return p
 

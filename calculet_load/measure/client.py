@@ -277,6 +277,7 @@ class _Run:
         clock: Clock,
         stream: bool,
         on_token: Callable[[TokenEvent], None] | None = None,
+        count_text: Callable[[str], int] | None = None,
     ) -> None:
         self.adapter = adapter
         self.on_token = on_token
@@ -284,7 +285,7 @@ class _Run:
         self.clock = clock
         self.stream = stream
         self.parser = SSEParser()
-        self.count = CountState()
+        self.count = CountState(count_text=count_text)
         self.hash = hashlib.sha256()
         self.done = False
         self.body = bytearray()
@@ -378,13 +379,15 @@ def execute(
     on_token: Callable[[TokenEvent], None] | None = None,
     max_tokens: int | None = None,
     output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
+    count_text: Callable[[str], int] | None = None,
 ) -> Outcome:
     """Run one request and return its outcome; never raises for a server's behaviour.
 
     `on_token` is called for each event that carries generated tokens, right after it is
     counted (on the reading greenlet: it must be cheap). With `max_tokens`, an output
     (the client's count or the server's total) above it plus `output_slack_tokens` is
-    flagged as a count anomaly.
+    flagged as a count anomaly. `count_text` (a local tokenizer's count) counts the
+    tokens of each event that comes with text and no count from the server.
 
     A kept-alive connection the server closed while the request went out (it answered
     not a byte: llama.cpp closes every connection after a streamed response, any server
@@ -401,6 +404,7 @@ def execute(
         on_token=on_token,
         max_tokens=max_tokens,
         output_slack_tokens=output_slack_tokens,
+        count_text=count_text,
     )
     out = _attempt(pool, adapter, body, request_id, fresh=False, **kw)  # type: ignore[arg-type]
     if out.connection_reused and out.unanswered and out.error_class == "connection_reset":
@@ -424,9 +428,10 @@ def _attempt(
     on_token: Callable[[TokenEvent], None] | None,
     max_tokens: int | None,
     output_slack_tokens: int,
+    count_text: Callable[[str], int] | None,
 ) -> Outcome:
     out = Outcome(request_id)
-    run = _Run(adapter, out, clock, stream, on_token)
+    run = _Run(adapter, out, clock, stream, on_token, count_text)
     payload = json.dumps(body, separators=(",", ":")).encode()
     # the target's own headers (--header, the API key), then the call's, replace ours
     extra = [*pool.endpoint.headers, *(extra_headers or {}).items()]
@@ -509,17 +514,20 @@ def _attempt(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
-    if (
-        out.ok
-        and out.count_source == "chunks"
-        and out.server_total is not None
-        and out.server_total > out.output_tokens
-    ):
-        # Without per-event usage a chunk is counted as one token, but a server may send
-        # several tokens in one chunk (llama.cpp holds a token that ends inside a UTF-8
-        # character back and sends it with the next): the final usage total is the count.
-        out.output_tokens = out.server_total
-        out.count_source = "chunks+usage_total"
+    if out.ok and out.server_total is not None and out.server_total != out.output_tokens:
+        if out.count_source == "chunks" and out.server_total > out.output_tokens:
+            # Without per-event usage a chunk is counted as one token, but a server may
+            # send several tokens in one chunk (llama.cpp holds a token that ends inside a
+            # UTF-8 character back and sends it with the next): the final usage total is
+            # the count. Fewer tokens than chunks stays a mismatch.
+            out.output_tokens = out.server_total
+            out.count_source = "chunks+usage_total"
+        elif out.count_source == "tokenizer":
+            # A local tokenizer counts each event's text on its own, which can split or
+            # merge differently from the model's own tokens: the server's total stays the
+            # request's count, the events keep the tokenizer's counts.
+            out.output_tokens = out.server_total
+            out.count_source = "tokenizer+usage_total"
     if run.jump is not None and out.ok:
         # Only a complete response: a stream cut by an error may end with tokens whose
         # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds

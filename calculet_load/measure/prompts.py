@@ -220,6 +220,11 @@ class LocalTokenizer:
             env.globals["raise_exception"] = raise_exception
             self.template = env.from_string(template)
 
+    def count(self, text: str) -> int:
+        """The tokens of a piece of generated text (an event's text, for servers that
+        send no per-event count)."""
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
+
     def __call__(self, body: dict[str, Any]) -> list[int]:
         if "messages" in body:
             if self.template is None:
@@ -272,6 +277,8 @@ class PromptFactory:
         if mode == "chat":
             default = getattr(tokenize, "chat_source", None) or default
         self.count_source = str(count_source or default)
+        # a local tokenizer also counts generated text (`Session(count_text=...)`)
+        self.count_text: Callable[[str], int] | None = None
         self.mode = mode
         self.corpus_seed = corpus_seed
         self.max_context = max_context
@@ -433,10 +440,13 @@ def target_prompts(
         def call(body: dict[str, Any]) -> list[int]:
             return run(lambda: tokenize(body))
 
-    return PromptFactory(
+    factory = PromptFactory(
         call,
         mode="chat" if protocol == "openai-chat" else "ids",
         count_source=getattr(
             tokenize, "chat_source" if protocol == "openai-chat" else "source", None
         ),
     )
+    if isinstance(tokenize, LocalTokenizer):
+        factory.count_text = tokenize.count
+    return factory

@@ -2,9 +2,10 @@
 
 An adapter turns one SSE `data:` payload into an `EventInfo`: the generated tokens it
 carried (from the server's cumulative counts: `usage.completion_tokens` with continuous
-usage stats, `tokens_predicted` on llama.cpp; counting content chunks is only a flagged
-fallback), the finish reason, the server's final total, an error. A role-only or
-usage-only event is an event (t3) but carries no token (t4). Pure: no I/O, no clock.
+usage stats, `tokens_predicted` on llama.cpp; without them a local tokenizer counts
+each event's text, and counting content chunks is only a flagged fallback), the finish
+reason, the server's final total, an error. A role-only or usage-only event is an event
+(t3) but carries no token (t4). Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import abc
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 ProtocolName = Literal["openai-chat", "openai-completions", "llama"]
@@ -75,8 +77,27 @@ class CountState:
     """Per-request counting state an adapter carries between events."""
 
     cumulative: int = 0
-    source: str | None = None  # usage | tokens_predicted | chunks
+    source: str | None = None  # usage | tokens_predicted | tokenizer | chunks
     events: int = 0
+    # The local tokenizer's count of a text (`measure.prompts.LocalTokenizer.count`):
+    # used only when the server sends no per-event count.
+    count_text: Callable[[str], int] | None = None
+
+
+def count_chunk(info: EventInfo, state: CountState) -> None:
+    """An event with text and no per-event count from the server: the local tokenizer
+    counts its text (`tokenizer`) when one is given, else the chunk counts as one token
+    (`chunks`, flagged). Either way the server's final total, when it sends one, is the
+    request's count (`measure.client`)."""
+    if state.count_text is not None:
+        n = state.count_text(info.text)
+        state.source = "tokenizer"
+    else:
+        n = 1
+        state.source = "chunks"
+    state.cumulative += n
+    info.tokens = n
+    info.cumulative = state.cumulative
 
 
 class _NonFinite:
@@ -280,11 +301,7 @@ class OpenAIAdapter(Adapter):
         elif completion is not None:
             info.final_total = completion  # final usage after a chunk-counted stream
         elif has_content:
-            # No per-chunk usage: one content chunk is counted as one token (flagged).
-            state.source = "chunks"
-            state.cumulative += 1
-            info.tokens = 1
-            info.cumulative = state.cumulative
+            count_chunk(info, state)  # no per-chunk usage
         timings = obj.get("timings")
         if isinstance(timings, dict):
             info.timings = timings
@@ -380,10 +397,7 @@ class LlamaAdapter(Adapter):
         if predicted is not None:
             self._advance(info, state, predicted, "tokens_predicted")
         elif info.text:
-            state.source = "chunks"
-            state.cumulative += 1
-            info.tokens = 1
-            info.cumulative = state.cumulative
+            count_chunk(info, state)
         info.prompt_tokens = _int(obj, "tokens_evaluated")
         if obj.get("stop") is True:
             info.done = True

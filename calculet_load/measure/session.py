@@ -281,8 +281,11 @@ class Session:
         clock: Clock | None = None,
         output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
         prompt_reuse: bool = False,
+        count_text: Callable[[str], int] | None = None,
     ) -> None:
         self.ctx = ctx
+        # events with text and no count from the server: the local tokenizer counts them
+        self.count_text = count_text
         # Unique prompts unless reuse is asked for (a cache study): see measure.prompts.
         self.prompt_reuse = prompt_reuse
         self._salt = nonce_salt(ctx.run_id, ctx.worker, _PROCESS_SALT)
@@ -331,6 +334,7 @@ class Session:
                 on_token=on_token,
                 max_tokens=spec.max_tokens,
                 output_slack_tokens=self.output_slack_tokens,
+                count_text=self.count_text,
             )
         except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
             cut: Outcome | None = getattr(exc, "outcome", None)

@@ -152,6 +152,48 @@ def test_a_local_tokenizer_counts_as_the_server_does(llama: LlamaServer) -> None
     assert record.ext.prompt_count_source == "local:tokenizer.json"
 
 
+def test_a_local_tokenizer_counts_each_event_where_the_server_sends_no_count(
+    llama: LlamaServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llama.cpp's OpenAI streams carry no per-event usage: with --tokenizer each
+    event's text is counted by the local tokenizer (not one token per chunk), and the
+    final usage total stays the request's count."""
+    local = LocalTokenizer(tokenizer_path())
+    counted: list[int] = []
+
+    def count(text: str) -> int:
+        counted.append(local.count(text))
+        return counted[-1]
+
+    factory = PromptFactory(local, mode="chat")
+    session = _session(llama.url, "openai-chat")
+    session.count_text = count
+    try:
+        record, out = _send(session, factory.prompt(64, 2), 40)
+    finally:
+        session.close()
+    assert out.ok, (out.error_class, out.error_detail)
+    events = [ev.tokens for ev in out.token_events]
+    assert events == counted and all(n >= 1 for n in counted)  # one count per text event
+    assert record.ext.token_count_source in ("tokenizer", "tokenizer+usage_total")
+    assert (record.ext.token_count_source == "tokenizer") == (sum(counted) == 40)
+    assert record.workload.actual_output_tokens == record.ext.server_output_tokens == 40
+    assert not record.ext.token_count_mismatch
+
+    # the same through the CLI a user runs: probe --tokenizer
+    code = main(
+        [
+            *("probe", "--url", llama.url, "--protocol", "openai-chat"),
+            *("--target-profile", "llama.cpp", "--tokenizer", str(tokenizer_path())),
+            *("--prompt-tokens", "48", "--max-tokens", "12", "--run-dir", str(tmp_path / "p")),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "counted from tokenizer" in text, text
+    assert "prompt counted by local:tokenizer.json" in text, text
+
+
 def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
     llama: LlamaServer, tmp_path: Path
 ) -> None:

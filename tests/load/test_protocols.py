@@ -42,6 +42,22 @@ def test_without_usage_content_chunks_are_counted_and_flagged() -> None:
     assert final.final_total == 4  # the reconciliation will show the mismatch
 
 
+def test_without_usage_a_local_tokenizer_counts_each_events_text() -> None:
+    for adapter, event in (
+        (COMPLETIONS, lambda piece: json.dumps({"choices": [{"text": piece}]})),
+        (CHAT, lambda piece: chat_chunk(piece)),
+        (LLAMA, lambda piece: json.dumps({"content": piece})),
+    ):
+        state = CountState(count_text=lambda text: len(text.split()))
+        counts = [adapter.event(event(p), state).tokens for p in ("a b", "c", "d e f")]
+        assert counts == [2, 1, 3], adapter.name
+        assert state.source == "tokenizer" and state.cumulative == 6
+    # a per-event count from the server wins over the tokenizer
+    state = CountState(count_text=lambda text: 99)
+    assert LLAMA.event(json.dumps({"content": "x", "tokens_predicted": 1}), state).tokens == 1
+    assert state.source == "tokens_predicted"
+
+
 def test_a_count_that_goes_back_is_a_protocol_violation() -> None:
     state = CountState()
     LLAMA.event(json.dumps({"content": "x", "tokens_predicted": 3}), state)
