@@ -121,6 +121,8 @@ def _methods(level: float) -> dict[str, Any]:
         "confidence_level": level,
         "percentile": stats.PERCENTILE_METHOD,
         "quantile_ci": stats.QUANTILE_CI_METHOD,
+        "bootstrap_ci": stats.BOOTSTRAP_CI_METHOD,
+        "rules_percentile_interval": stats.RULES_INTERVAL,
         "mean_ci": stats.MEAN_CI_METHOD,
         "spread_ci": stats.SPREAD_CI_METHOD,
         "mad": stats.MAD_METHOD,

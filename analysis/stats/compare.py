@@ -38,6 +38,7 @@ from analysis.stats.quantiles import (
     FloatArray,
     finite_values,
     min_n_for_ci,
+    order_stat_bootstrap_cdf,
     percentile_name,
     quantile_rank,
 )
@@ -198,13 +199,10 @@ def _order_stat_draws(
     """The estimate x_(k) and `size` draws from its exact bootstrap distribution."""
     n = x.size
     k = quantile_rank(n, q)
-    # The bootstrap rank of X*_(k) is ~ k ± √(k(n−k)/n); beyond ±10σ the mass is < 1e-20.
-    w = math.ceil(10 * math.sqrt(k * (n - k) / n)) + 10
-    j0, j1 = max(1, k - w), min(n, k + w)
+    j0, cdf = order_stat_bootstrap_cdf(n, q)
+    j1 = j0 + cdf.size - 1
     part = np.partition(x, sorted({j0 - 1, k - 1, j1 - 1}))
     xs = np.sort(part[j0 - 1 : j1])
-    cdf = st.binom.sf(k - 1, n, np.arange(j0, j1 + 1) / n)
-    cdf[-1] = 1.0
     draws = xs[np.searchsorted(cdf, rng.random(size))]
     return float(part[k - 1]), draws
 

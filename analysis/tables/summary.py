@@ -23,12 +23,15 @@ def _stats_columns(s: CellStats) -> dict[str, Any]:
         out[p.name] = p.value
         out[f"{p.name}_lo"] = p.lo
         out[f"{p.name}_hi"] = p.hi
+        out[f"{p.name}_boot_lo"] = p.boot_lo
+        out[f"{p.name}_boot_hi"] = p.boot_hi
     out["min"], out["max"] = s.min, s.max
     for name, est in (("mean", s.mean), ("std", s.std), ("mad", s.mad)):
         out[name], out[f"{name}_lo"], out[f"{name}_hi"] = est.value, est.lo, est.hi
     out["warnings"] = "; ".join(s.warnings) or None
     out["percentile_method"] = s.percentile_method
     out["quantile_ci_method"] = s.quantile_ci_method
+    out["bootstrap_ci_method"] = s.bootstrap_ci_method
     out["mean_ci_method"] = s.mean_ci_method
     out["spread_ci_method"] = s.spread_ci_method
     return out
@@ -108,9 +111,11 @@ def _summary_schema() -> pa.Schema:
     ]
     for p in ("p50", "p90", "p95", "p99"):
         fields += [(p, f64), (f"{p}_lo", f64), (f"{p}_hi", f64)]
+        fields += [(f"{p}_boot_lo", f64), (f"{p}_boot_hi", f64)]
     fields += [("min", f64), ("max", f64)]
     for name in ("mean", "std", "mad"):
         fields += [(name, f64), (f"{name}_lo", f64), (f"{name}_hi", f64)]
     fields += [(n, s) for n in ("warnings", "percentile_method", "quantile_ci_method")]
+    fields += [("bootstrap_ci_method", s)]
     fields += [(n, s) for n in ("mean_ci_method", "spread_ci_method")]
     return pa.schema(fields, metadata={"schema": SUMMARY_SCHEMA})

@@ -191,6 +191,15 @@ def _overview(rows: list[dict[str, Any]]) -> Any:
     )
 
 
+def _percentile_cell(r: dict[str, Any], p: str) -> str:
+    """The percentile, its order-statistic interval (what the rules read) and, where the
+    run's summary has one, its bootstrap interval (spec §9)."""
+    text = f"{fmt_ms(r[p])} {fmt_ci(r[p + '_lo'], r[p + '_hi'])}"
+    if p + "_boot_lo" not in r:  # a summary written before the bootstrap interval
+        return text
+    return f"{text} boot {fmt_ci(r[p + '_boot_lo'], r[p + '_boot_hi'])}"
+
+
 def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
     sel = [r for r in rows if r["metric"] == metric]
     out = [
@@ -198,10 +207,7 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
             r["cell"],
             r["partition"],
             fmt_int(r["count"]),
-            *(
-                f"{fmt_ms(r[p])} {fmt_ci(r[p + '_lo'], r[p + '_hi'])}"
-                for p in ("p50", "p90", "p95", "p99")
-            ),
+            *(_percentile_cell(r, p) for p in ("p50", "p90", "p95", "p99")),
             fmt_ms(r["max"]),
             f"{fmt_ms(r['mean'])} {fmt_ci(r['mean_lo'], r['mean_hi'])}",
             f"{fmt_ms(r['std'])} {fmt_ci(r['std_lo'], r['std_hi'])}",
@@ -227,8 +233,9 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
         ),
         out,
         name=f"metric-{metric}",
-        caption=f"{METRIC_TITLES.get(metric, metric)}: {level * 100:g}% intervals; "
-        "[no interval] where n is too small for one",
+        caption=f"{METRIC_TITLES.get(metric, metric)}: {level * 100:g}% intervals; a "
+        "percentile's first interval is the binomial order-statistic one (the rules read "
+        "it), 'boot' the percentile bootstrap's; [no interval] where n is too small for one",
         numeric=(False, False, True, True, True, True, True, True, True, True, True, False),
         folded=metric not in PRIMARY,
     )
@@ -299,7 +306,8 @@ def cells_section(rv: RunView, base: RunView | None) -> Section:
     r0 = rows[0]
     s.intro.append(
         f"Percentiles: numpy method '{r0['percentile_method']}' (always an observed value, "
-        f"MLPerf-compatible); their intervals: {r0['quantile_ci_method']}; mean: "
+        f"MLPerf-compatible); their intervals: {r0['quantile_ci_method']}, which the "
+        f"rules read, and beside it ('boot') {r0.get('bootstrap_ci_method') or 'none'}; mean: "
         f"{r0['mean_ci_method']}; std and MAD: {r0['spread_ci_method']}. Confidence level "
         f"{level * 100:g}%. Latencies are over successes only; 'measured' is what the rules "
         "read, 'throttled' and 'warmup' are reported apart (spec §8.7)."

@@ -225,6 +225,21 @@ def test_every_cell_appears_with_its_n(hand: tuple[str, str]) -> None:
     assert ttft[("p16-o5|c4|closed|stream", "measured")] == "11"  # successes only
 
 
+def test_percentiles_show_both_intervals_and_say_which_the_rules_read(
+    hand: tuple[str, str],
+) -> None:
+    run, html = hand
+    page = Page(html)
+    p50 = {(r[0], r[1]): r[3] for r in page.tables["metric-ttft_ms"]}
+    cell = p50[("p16-o5|c1|closed|stream", "measured")]
+    # n = 12: the median has both intervals, "value [order statistic] boot [bootstrap]"
+    assert re.fullmatch(r"\S+ \[\S+, \S+\] boot \[\S+, \S+\]", cell), cell
+    assert "which the rules read" in page.sections["cells"]
+    doc = json.loads(Path(run, "verdict.json").read_text())
+    assert doc["methods"]["rules_percentile_interval"] == "quantile_ci"
+    assert doc["methods"]["bootstrap_ci"].startswith("percentile bootstrap")
+
+
 def test_slowest_requests_are_at_most_20_sorted_by_e2e(hand: tuple[str, str]) -> None:
     _, html = hand
     rows = Page(html).tables["slowest"]
@@ -433,7 +448,8 @@ REPORT_API = {
     "views.plots": ["BreakdownBar", "Line", "Panel", "breakdown_bars", "cdf_figure", "curve_figure",
               "scatter_curve", "timeseries_figure"],
     "views.provenance": ["EXIT_MEANINGS", "banner", "plan_section", "provenance_section",
-                   "signature_section", "vendor_section", "verdicts_section"],
+                   "signature_section", "verdicts_section"],
+    "views.vendor": ["LEGACY_BANNER", "legacy_section", "vendor_section"],
     "views.cells": ["METRIC_TITLES", "PRIMARY", "cdf_points", "cells_section",
                   "comparison_section", "measured_values", "summary_rows"],
     "views.counterexamples": ["BREAKDOWN", "SLOWEST", "excluded_section", "long_context_section",
