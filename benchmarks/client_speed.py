@@ -1,0 +1,520 @@
+"""Speed per worker core: calculet-load's Locust user against a reference client, on a
+server whose true timings are known exactly (issue 18).
+
+The server (benchmarks/exact_server.py: OpenAI /v1/completions SSE, TTFT 50 ms, a token
+every 10 ms, 64 one-word tokens, 128-token prompts, keep-alive) runs pinned to core 1 and
+records its own send times. Each client runs alone, pinned to core 0:
+
+- `calculet`: one Locust process as a user runs it, `locust -f locustfiles/calculet.py
+  --headless --arrival poisson --rate R --protocol openai-completions ...` (closed loop:
+  `--arrival closed -u C`), its figures read from its run folder; then
+  `calculet-load analyze` on that folder: its own verdict (exit 3 = the client says the
+  point is beyond its capacity).
+- `reference`: benchmarks/ref_client.py (asyncio + uvloop when installed, stamps at the
+  byte's arrival, nothing else).
+- `--peers`: inference-perf in its own venv (installed on first use under
+  `--peers-dir`), when it installs.
+
+Per point it prints: TTFT, per-chunk ITL and TPOT error at p50/p99 (the client's figure
+minus the server's truth at the same percentile, ms), the rate the server counted, the
+client's CPU (% of its core and µs per request, over the steady middle of the point),
+CPU per request as a ratio to the reference's at the same point of this run, and the
+verdict. Truth: TTFT = first token's write − request read; ITL = gap between writes;
+TPOT = (last − first write)/(n − 1), all on the server's monotonic clock.
+
+Usage:
+  .venv/bin/python benchmarks/client_speed.py                   # the full sweep (~10 min)
+  .venv/bin/python benchmarks/client_speed.py --quick           # 2 rates, 1 level, 8 s
+  .venv/bin/python benchmarks/client_speed.py --rates 20,80,320 --concurrency 16 \
+      --seconds 20 --clients calculet,reference --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import venv
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SERVER = REPO / "benchmarks" / "exact_server.py"
+REFERENCE = REPO / "benchmarks" / "ref_client.py"
+LOCUSTFILE = REPO / "locustfiles" / "calculet.py"
+RATES = [20, 40, 80, 160, 320, 640]
+CONCURRENCY = [16, 64, 256]
+BUDGET_MS = 10.0  # the issue's bar: TTFT p99 error within 10 ms
+
+
+def taskset(core: int | None) -> list[str]:
+    if core is None or not shutil.which("taskset"):
+        return []
+    return ["taskset", "-c", str(core)]
+
+
+# ----------------------------------------------------------------- the server
+class ExactServer:
+    def __init__(self, core: int | None, ttft_ms: float, itl_ms: float) -> None:
+        cmd = [*taskset(core), sys.executable, str(SERVER), "--port", "0"]
+        cmd += ["--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
+        line = self.proc.stdout.readline().decode() if ready else ""
+        if "listening on http://" not in line:
+            self.stop()
+            raise SystemExit(f"exact server did not start: {line!r}")
+        self.url = line.strip().rsplit(" ", 1)[1]
+        self.host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(port)
+
+    def truth(self) -> list[list[Any]]:
+        """The requests completed since the last call: [id, recv ns, [send ns...], n]."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.request("GET", "/truth")
+            return list(json.loads(conn.getresponse().read()))
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+# ---------------------------------------------------------------- one point
+@dataclass
+class Point:
+    client: str
+    mode: str  # "poisson" or "closed"
+    level: float  # rate or users
+    requests: int = 0  # completed requests the server counted
+    failed: int = 0  # client-side failures (records with an error, peers' failures)
+    rate: float = 0.0  # requests/s the server received in the steady window
+    cpu_percent: float = float("nan")
+    cpu_us_per_request: float = float("nan")
+    err: dict[str, float] = field(default_factory=dict)  # "ttft_p50" -> ms
+    cpu_ratio: float = float("nan")  # cpu per request / the reference's
+    verdict: str = ""  # calculet: its own verdict (exit code and what it named)
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.level:g}/s" if self.mode == "poisson" else f"C={self.level:g}"
+
+
+def quantiles(values: list[float] | np.ndarray, qs: tuple[int, ...] = (50, 99)) -> list[float]:
+    arr = np.asarray(values, dtype=float)
+    arr = arr[~np.isnan(arr)]
+    if arr.size == 0:
+        return [float("nan") for _ in qs]
+    return [float(np.percentile(arr, q)) for q in qs]
+
+
+def truth_figures(rows: list[list[Any]]) -> dict[str, list[float]]:
+    ttft, itl, tpot = [], [], []
+    for _rid, recv, sends, n in rows:
+        if len(sends) != n or not sends:
+            continue
+        ttft.append((sends[0] - recv) / 1e6)
+        itl.extend(np.diff(np.asarray(sends, dtype=np.int64)) / 1e6)
+        if n > 1:
+            tpot.append((sends[-1] - sends[0]) / 1e6 / (n - 1))
+    return {"ttft": ttft, "itl": itl, "tpot": tpot}
+
+
+def errors(reported: dict[str, Any], truth: dict[str, list[float]]) -> dict[str, float]:
+    out = {}
+    for key in ("ttft", "itl", "tpot"):
+        rep = quantiles(reported.get(key, []))
+        tru = quantiles(truth[key])
+        out[f"{key}_p50"] = rep[0] - tru[0]
+        out[f"{key}_p99"] = rep[1] - tru[1]
+    return out
+
+
+class CpuWindow:
+    """The client's CPU and the server's request count over the steady middle of a point:
+    from 1 s after the server saw its first request to 1 s before the load ends."""
+
+    def __init__(self, server: ExactServer) -> None:
+        self.server = server
+        self.samples: list[tuple[float, float, int]] = []
+
+    def count(self) -> int:
+        conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=10)
+        try:
+            conn.request("GET", "/count")
+            return int(json.loads(conn.getresponse().read())["received"])
+        finally:
+            conn.close()
+
+    def watch(self, proc: subprocess.Popen[bytes], seconds: float) -> None:
+        ps = psutil.Process(proc.pid)
+        start = self.count()
+        first = None
+        while proc.poll() is None:
+            n = self.count()
+            now = time.monotonic()
+            if first is None and n > start:
+                first = now
+            elif first is not None and (now - first >= 1.0) and not self.samples:
+                self.samples.append((now, _cpu(ps), n))
+            elif self.samples and now - first >= seconds - 1.5:
+                self.samples.append((now, _cpu(ps), n))
+                return
+            time.sleep(0.1)
+
+    def figures(self) -> tuple[float, float, float]:
+        """(requests/s, CPU % of a core, CPU µs per request) over the window."""
+        if len(self.samples) < 2:
+            return float("nan"), float("nan"), float("nan")
+        (t1, c1, n1), (t2, c2, n2) = self.samples[0], self.samples[-1]
+        rate = (n2 - n1) / (t2 - t1)
+        per = (c2 - c1) / (n2 - n1) * 1e6 if n2 > n1 else float("nan")
+        return rate, 100 * (c2 - c1) / (t2 - t1), per
+
+
+def _cpu(ps: psutil.Process) -> float:
+    """CPU seconds of the process and its children (a peer may fork workers)."""
+    try:
+        t = ps.cpu_times()
+        total = t.user + t.system
+        for child in ps.children(recursive=True):
+            try:
+                c = child.cpu_times()
+                total += c.user + c.system
+            except psutil.Error:
+                pass
+        return total
+    except psutil.Error:
+        return float("nan")
+
+
+# ------------------------------------------------------------------ clients
+def run_calculet(
+    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None
+) -> None:
+    run_dir = tmp / f"calculet-{p.mode}-{p.level:g}"
+    cmd = [
+        *taskset(core), str(BIN / "locust"), "-f", str(LOCUSTFILE), "--headless",
+        "-H", server.url, "--protocol", "openai-completions", "--prompt-tokens", "128",
+        "--max-tokens", "64", "--run-dir", str(run_dir), "--only-summary",
+        "--max-in-flight", "4096", "-t", f"{seconds + 3:g}s", "--stop-timeout", "5",
+    ]  # fmt: skip
+    if p.mode == "poisson":
+        cmd += ["--arrival", "poisson", "--rate", str(p.level), "-u", "1", "-r", "1"]
+    else:
+        cmd += ["--arrival", "closed", "-u", str(int(p.level)), "-r", str(int(p.level))]
+    window = CpuWindow(server)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    window.watch(proc, seconds)
+    _, err = proc.communicate(timeout=seconds + 120)
+    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
+    reported = read_calculet(run_dir, p)
+    truth = server.truth()
+    p.requests = len(truth)
+    p.err = errors(reported, truth_figures(truth))
+    code = proc.returncode
+    verdict = subprocess.run(
+        [str(BIN / "calculet-load"), "analyze", str(run_dir), "--quiet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = (verdict.stdout.strip().splitlines() or [""])[-1]
+    p.verdict = f"locust exit {code}, analyze exit {verdict.returncode}"
+    if code == 3 or verdict.returncode == 3:
+        p.verdict += " FLAGGED"
+    p.note = said[:160]
+    if code not in (0, 3):
+        p.note += f" | locust stderr: {err.decode(errors='replace')[-300:]}"
+
+
+def read_calculet(run_dir: Path, p: Point) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def table(kind: str) -> pa.Table | None:
+        parts = sorted((run_dir / "client").glob(f"*/part-*.{kind}.parquet"))
+        return pa.concat_tables(pq.read_table(x) for x in parts) if parts else None
+
+    req = table("requests")
+    tok = table("tokens")
+    if req is None:
+        p.note = "no records"
+        return {}
+    errs = req.column("ext.error_class").to_pylist()
+    cut = req.column("ext.cancelled_at").to_pylist()
+    ok = [e is None for e in errs]
+    p.failed = sum(1 for e, c in zip(errs, cut, strict=True) if e and c != "run_stop")
+    ttft = [v for v, k in zip(req.column("durations_ms.ttft").to_pylist(), ok, strict=True) if k]
+    tpot = [v for v, k in zip(req.column("durations_ms.tpot").to_pylist(), ok, strict=True) if k]
+    itl: list[float] = []
+    if tok is not None:
+        good = {r for r, k in zip(req.column("request_id").to_pylist(), ok, strict=True) if k}
+        rid = np.asarray(tok.column("request_id").to_pylist())
+        arr = tok.column("arrival_ns").to_numpy()
+        idx = tok.column("event_index").to_numpy()
+        order = np.lexsort((idx, rid))
+        rid, arr = rid[order], arr[order]
+        same = rid[1:] == rid[:-1]
+        keep = same & np.isin(rid[1:], list(good))
+        itl = list(np.diff(arr)[keep] / 1e6)
+    return {"ttft": ttft, "tpot": tpot, "itl": itl}
+
+
+def run_reference(
+    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None
+) -> None:
+    out = tmp / f"ref-{p.mode}-{p.level:g}.jsonl"
+    cmd = [*taskset(core), sys.executable, str(REFERENCE), "--url", server.url]
+    cmd += ["--seconds", str(seconds), "--out", str(out)]
+    cmd += ["--rate", str(p.level)] if p.mode == "poisson" else ["--concurrency", str(int(p.level))]
+    window = CpuWindow(server)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    window.watch(proc, seconds)
+    _, err = proc.communicate(timeout=seconds + 120)
+    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
+    if proc.returncode != 0:
+        p.note = err.decode(errors="replace")[-300:]
+    ttft, itl, tpot = [], [], []
+    for line in out.read_text().splitlines() if out.exists() else []:
+        _rid, t0, stamps, ok = json.loads(line)
+        if not ok or not stamps:
+            p.failed += 0 if ok else 1
+            continue
+        ttft.append((stamps[0] - t0) / 1e6)
+        itl.extend(np.diff(np.asarray(stamps, dtype=np.int64)) / 1e6)
+        if len(stamps) > 1:
+            tpot.append((stamps[-1] - stamps[0]) / 1e6 / (len(stamps) - 1))
+    truth = server.truth()
+    p.requests = len(truth)
+    p.err = errors({"ttft": ttft, "itl": itl, "tpot": tpot}, truth_figures(truth))
+
+
+# ------------------------------------------------------------------- peers
+INFERENCE_PERF = "inference-perf==0.7.0"
+
+
+def peer_python(peers_dir: Path, name: str, packages: list[str]) -> Path | None:
+    """A venv of its own under `peers_dir` with `packages` (installed once)."""
+    home = peers_dir / name
+    python = home / "bin" / "python"
+    stamp = home / ".installed"
+    if stamp.exists():
+        return python
+    venv.create(home, with_pip=True, clear=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        print(f"  {name}: pip install failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    stamp.write_text(" ".join(packages))
+    return python
+
+
+def run_inference_perf(
+    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None, python: Path
+) -> None:
+    """inference-perf's own run with the same load; its per-request lifecycle metrics are
+    read back (TTFT, ITL, TPOT as it reports them)."""
+    out = tmp / f"ip-{p.mode}-{p.level:g}"
+    load: dict[str, Any]
+    if p.mode == "poisson":
+        load = {"type": "poisson", "stages": [{"rate": p.level, "duration": int(seconds)}]}
+    else:
+        n = int(p.level * seconds / 0.7)
+        load = {
+            "type": "concurrent",
+            "stages": [{"num_requests": n, "concurrency_level": int(p.level)}],
+        }
+    config = {
+        "load": load,
+        "api": {"type": "completion", "streaming": True},
+        "server": {"type": "vllm", "model_name": "exact", "base_url": server.url,
+                   "ignore_eos": True},
+        "data": {"type": "random", "input_distribution": {"min": 128, "max": 128, "mean": 128,
+                 "std_dev": 0}, "output_distribution": {"min": 64, "max": 64, "mean": 64,
+                 "std_dev": 0}},
+        "report": {"request_lifecycle": {"summary": True, "per_stage": False,
+                   "per_request": True}},
+        "storage": {"local_storage": {"path": str(out)}},
+    }  # fmt: skip
+    cfg = tmp / f"ip-{p.mode}-{p.level:g}.yaml"
+    cfg.write_text(json.dumps(config))
+    window = CpuWindow(server)
+    cmd = [*taskset(core), str(python.parent / "inference-perf"), "--config_file", str(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
+    window.watch(proc, seconds)
+    _, err = proc.communicate(timeout=seconds + 300)
+    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
+    truth = server.truth()
+    p.requests = len(truth)
+    ttft, itl, tpot = [], [], []
+    for f in sorted(out.rglob("per_request_lifecycle_metrics.json")):
+        for r in json.loads(f.read_text()):
+            m = r.get("info") or {}
+            times = m.get("output_token_times") or []
+            start = r.get("start_time")
+            if not times or start is None:
+                p.failed += 1
+                continue
+            ttft.append((times[0] - start) * 1e3)
+            itl.extend(np.diff(np.asarray(times, dtype=float)) * 1e3)
+            if len(times) > 1:
+                tpot.append((times[-1] - times[0]) * 1e3 / (len(times) - 1))
+    if not ttft:
+        p.note = f"no per-request metrics read: {err.decode(errors='replace')[-300:]}"
+    p.err = errors({"ttft": ttft, "itl": itl, "tpot": tpot}, truth_figures(truth))
+
+
+# ------------------------------------------------------------------ report
+def row(p: Point) -> str:
+    e = p.err
+
+    def f(k: str) -> str:
+        v = e.get(k, float("nan"))
+        return f"{v:+8.2f}" if np.isfinite(v) else f"{'-':>8}"
+
+    ratio = f"{p.cpu_ratio:5.2f}x" if np.isfinite(p.cpu_ratio) else f"{'-':>6}"
+    return (
+        f"  {p.client:<10} {p.label:>8} {p.requests:>6} {p.failed:>4} {p.rate:>7.1f} "
+        f"{f('ttft_p50')} {f('ttft_p99')} {f('itl_p50')} {f('itl_p99')} {f('tpot_p50')} "
+        f"{f('tpot_p99')} {p.cpu_percent:>5.0f} {p.cpu_us_per_request:>7.0f} {ratio}  "
+        f"{p.verdict}"
+    )
+
+
+HEADER = (
+    f"  {'client':<10} {'point':>8} {'reqs':>6} {'fail':>4} {'req/s':>7} "
+    f"{'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8} "
+    f"{'TPOT p99':>8} {'cpu%':>5} {'µs/req':>7} {'×ref':>6}  verdict"
+)
+
+MEANING = """\
+  Errors are the client's figure minus the server's truth at the same percentile, in ms
+  (positive: the client reports later/longer than what happened). req/s is what the
+  server received in the steady middle of the point; cpu% and µs/req are the client
+  process's own CPU over that window (one core = 100); ×ref is µs/req over the
+  reference client's at the same point of this run. verdict: calculet-load's own exit
+  codes (Locust run, then `calculet-load analyze`); FLAGGED = it said the point is not
+  to be trusted (exit 3). Load average is printed beside the run: a busy machine makes
+  every client look worse; compare clients within one run."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=20.0, help="seconds of load per point")
+    ap.add_argument("--rates", default=",".join(map(str, RATES)), help="Poisson rates")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                    help="closed-loop levels ('' for none)")  # fmt: skip
+    ap.add_argument("--clients", default="reference,calculet", help="which clients, in order")
+    ap.add_argument("--quick", action="store_true", help="rates 20,160, C=16, 8 s (smoke)")
+    ap.add_argument("--peers", action="store_true", help="also inference-perf (own venv)")
+    ap.add_argument("--peers-dir", default=str(Path.home() / ".cache" / "calculet-load-peers"))
+    ap.add_argument("--ttft-ms", type=float, default=50.0)
+    ap.add_argument("--itl-ms", type=float, default=10.0)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin server and client")
+    ap.add_argument("--json", help="also write every point as JSON to this file")
+    args = ap.parse_args()
+    if args.quick:
+        args.rates, args.concurrency, args.seconds = "20,160", "16", min(args.seconds, 8.0)
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    if args.peers:
+        clients.append("inference-perf")
+    pin = not args.no_pin and (os.cpu_count() or 1) > 1
+    client_core, server_core = (0, 1) if pin else (None, None)
+    if pin:
+        os.sched_setaffinity(0, {1})  # this driver mostly sleeps: beside the server
+    peer_py: Path | None = None
+    if "inference-perf" in clients:
+        peer_py = peer_python(Path(args.peers_dir), "inference-perf", [INFERENCE_PERF])
+        if peer_py is None:
+            clients.remove("inference-perf")
+    print(
+        f"client_speed: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+        f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; pinned: "
+        f"{'server core 1, client core 0' if pin else 'no'}; {args.seconds:g} s per point; "
+        f"truth TTFT {args.ttft_ms:g} ms, a token every {args.itl_ms:g} ms, 64 tokens"
+    )
+    print(HEADER, flush=True)
+    points: list[Point] = []
+    server = ExactServer(server_core, args.ttft_ms, args.itl_ms)
+    try:
+        with tempfile.TemporaryDirectory(prefix="client-speed-") as name:
+            tmp = Path(name)
+            grid = [("poisson", float(r)) for r in rates] + [("closed", float(c)) for c in levels]
+            for mode, level in grid:
+                ref: Point | None = None
+                for client in clients:
+                    p = Point(client, mode, level)
+                    server.truth()  # forget anything left over
+                    if client == "calculet":
+                        run_calculet(server, p, args.seconds, tmp, client_core)
+                    elif client == "reference":
+                        run_reference(server, p, args.seconds, tmp, client_core)
+                    elif client == "inference-perf" and peer_py is not None:
+                        run_inference_perf(server, p, args.seconds, tmp, client_core, peer_py)
+                    else:
+                        raise SystemExit(f"--clients: unknown client {client!r}")
+                    if client == "reference":
+                        ref = p
+                    if ref is not None and client != "reference" and ref.cpu_us_per_request:
+                        p.cpu_ratio = p.cpu_us_per_request / ref.cpu_us_per_request
+                    points.append(p)
+                    print(row(p), flush=True)
+                    if p.note:
+                        print(f"  {'':<10} {'':>8} note: {p.note}", flush=True)
+    finally:
+        server.stop()
+    la = os.getloadavg()
+    print(f"  load average at the end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
+    ours = [p for p in points if p.client == "calculet" and p.mode == "poisson"]
+    ok = [p.level for p in ours if p.err.get("ttft_p99", float("inf")) <= BUDGET_MS]
+    if ours:
+        print(
+            f"  calculet: highest Poisson rate with TTFT p99 error <= {BUDGET_MS:g} ms: "
+            f"{max(ok):g} req/s"
+            if ok
+            else "  calculet: no rate within the budget"
+        )
+        beyond = [p for p in points if p.client == "calculet" and (
+            p.err.get("ttft_p99", float("inf")) > BUDGET_MS)]  # fmt: skip
+        silent = [p.label for p in beyond if "FLAGGED" not in p.verdict]
+        print(
+            f"  calculet: points beyond {BUDGET_MS:g} ms TTFT p99 error: "
+            f"{', '.join(p.label for p in beyond) or 'none'}; not flagged by its own "
+            f"verdict: {', '.join(silent) or 'none'}"
+        )
+    print(MEANING)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1))
+
+
+if __name__ == "__main__":
+    main()
