@@ -23,7 +23,14 @@ from analysis.judge.rules import (
     ThroughputGainRule,
 )
 from analysis.judge.verdict import RuleVerdict, Status
-from analysis.stats.compare import Comparison, MetricRule, Thresholds, Verdict, compare_cells
+from analysis.stats.compare import (
+    Comparison,
+    MetricRule,
+    Thresholds,
+    Verdict,
+    compare_cells,
+    compare_throughput,
+)
 from analysis.tables.cells import CellKey
 
 __all__ = ["HANDLERS", "NO_BASELINE"]
@@ -248,6 +255,9 @@ def _optimization(rule: OptimizationRule, ctx: Context) -> list[RuleVerdict]:
 
 
 def _throughput_gain(rule: ThroughputGainRule, ctx: Context) -> list[RuleVerdict]:
+    """Per matched cell, the gain of steady-state output tokens/s with its interval
+    (analysis.stats.compare.THROUGHPUT_DELTA_METHOD): PASS when every cell's interval
+    lies at or above the target, FAIL when one lies wholly below, else INCONCLUSIVE."""
     if rule.min_gain_pct is None:
         return [
             not_evaluated(
@@ -255,19 +265,23 @@ def _throughput_gain(rule: ThroughputGainRule, ctx: Context) -> list[RuleVerdict
                 "not configured: set min_gain_pct (the explicit throughput target) in the rules",
             )
         ]
-    threshold = f"≥ +{rule.min_gain_pct:g}% output tokens/s"
+    target = rule.min_gain_pct
+    threshold = f"≥ +{target:g}% output tokens/s"
     if ctx.baseline is None:
         return [not_evaluated(rule, NO_BASELINE, threshold=threshold)]
-    rows = []
+    thresholds = Thresholds(0.0, target if target > 0 else None, ctx.settings.confidence_level)
+    states: list[tuple[Comparison, Status]] = []
     for s in ctx.candidate.summaries:
         if s.partition != "measured" or not rule.select.matches(s.key):
             continue
         b = ctx.baseline.summary(s.key)
         if b is None or not b.steady_output_tokens_per_s or s.steady_output_tokens_per_s is None:
             continue
-        gain = (s.steady_output_tokens_per_s / b.steady_output_tokens_per_s - 1) * 100
-        rows.append((s.key, b.steady_output_tokens_per_s, s.steady_output_tokens_per_s, gain))
-    if not rows:
+        c = compare_throughput(
+            b.throughput_batches, s.throughput_batches, thresholds=thresholds, cell=s.key.label
+        )
+        states.append((c, _reached(c, target)))
+    if not states:
         return [
             not_evaluated(
                 rule,
@@ -275,29 +289,67 @@ def _throughput_gain(rule: ThroughputGainRule, ctx: Context) -> list[RuleVerdict
                 threshold=threshold,
             )
         ]
-    details = [
-        {"cell": k.label, "baseline_per_s": b, "candidate_per_s": c, "gain_pct": g}
-        for k, b, c, g in rows
-    ]
-    worst = min(rows, key=lambda r: r[3])
-    seen = (
-        f"lowest gain {worst[3]:+.1f}% in {worst[0].label} ({worst[1]:.1f} → {worst[2]:.1f} "
-        f"tokens/s; point estimates of one run each, no interval)"
-    )
-    if worst[3] < rule.min_gain_pct:
+    details = [{**_comparison_detail(c), "target_reached": st.value} for c, st in states]
+    gains = [c.delta_pct for c, _ in states if c.delta_pct is not None]
+    worst = min(gains) if gains else None
+
+    def seen(c: Comparison) -> str:
+        ci = "no interval" if c.ci_pct is None else f"{_pct_ci(c.ci_pct)} at {_level(ctx)}"
+        return (
+            f"{c.cell}: {c.baseline or 0:.1f} → {c.candidate or 0:.1f} tokens/s, gain "
+            f"{c.delta_pct or 0:+.1f}% ({ci})"
+        )
+
+    failed = [c for c, st in states if st is Status.FAIL]
+    if failed:
+        c = min(failed, key=lambda x: x.delta_pct or 0.0)
         return [
             verdict_for(
                 rule,
                 Status.FAIL,
-                worst[3],
+                worst,
                 threshold,
-                len(rows),
-                f"{seen}: below the +{rule.min_gain_pct:g}% target; compare the lane fill "
+                len(states),
+                f"{seen(c)}: wholly below the +{target:g}% target; compare the lane fill "
                 "(steps per job) and the decode step time of the two builds",
                 details,
             )
         ]
-    return [verdict_for(rule, Status.PASS, worst[3], threshold, len(rows), seen, details)]
+    unsure = [c for c, st in states if st is Status.INCONCLUSIVE]
+    if unsure:
+        c = unsure[0]
+        return [
+            verdict_for(
+                rule,
+                Status.INCONCLUSIVE,
+                worst,
+                threshold,
+                len(states),
+                f"{len(unsure)} of {len(states)} cells inconclusive (first {seen(c)}): the "
+                f"interval straddles the +{target:g}% target; run the cells longer to narrow it",
+                details,
+            )
+        ]
+    c = min((c for c, _ in states), key=lambda x: x.delta_pct or 0.0)
+    return [
+        verdict_for(
+            rule,
+            Status.PASS,
+            worst,
+            threshold,
+            len(states),
+            f"every cell's gain is at least +{target:g}% with confidence (lowest {seen(c)})",
+            details,
+        )
+    ]
+
+
+def _pct_ci(ci: tuple[float, float]) -> str:
+    return f"CI {ci[0]:+.1f}..{ci[1]:+.1f}%"
+
+
+def _level(ctx: Context) -> str:
+    return f"{ctx.settings.confidence_level * 100:g}%"
 
 
 HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {

@@ -47,6 +47,7 @@ __all__ = [
     "DECISION_RULE",
     "MEAN_DELTA_METHOD",
     "QUANTILE_DELTA_METHOD",
+    "THROUGHPUT_DELTA_METHOD",
     "Comparison",
     "Direction",
     "MetricRule",
@@ -55,6 +56,7 @@ __all__ = [
     "compare_cells",
     "compare_mean",
     "compare_quantile",
+    "compare_throughput",
     "decide",
     "direction_for",
 ]
@@ -76,6 +78,15 @@ MEAN_DELTA_METHOD = "Welch t, baseline mean as the % scale"
 is that interval · 100 / b̄ (the baseline mean taken as known: first-order exact when the
 ratio is near 1). Hand-written from scipy's t distribution because scipy's ttest_ind
 warns and returns NaN on (near-)constant samples."""
+
+
+THROUGHPUT_DELTA_METHOD = "batch means of each window, Welch t on the log ratio"
+"""Each side's steady-state tokens/s is the mean of its window's K batch rates
+(analysis.stats.quantiles.THROUGHPUT_CI_METHOD), with variance s²/K. The ratio r = c̄/b̄
+has the interval exp(ln r ± t_ν · √(s_c²/(K_c c̄²) + s_b²/(K_b b̄²))) (delta method on
+ln, ν by Welch–Satterthwaite on the two relative variances); delta_pct's interval is
+(that − 1) · 100 and delta_abs's is b̄ · (that − 1). Within-run: a second run of each
+side is what covers run-to-run variance."""
 
 
 class Direction(StrEnum):
@@ -360,6 +371,56 @@ def compare_mean(
         direction=direction,
         thresholds=thresholds,
         method=MEAN_DELTA_METHOD,
+        b=bv,
+        c=cv,
+        nb=b.size,
+        nc=c.size,
+        ci_abs=ci_abs,
+        ci_pct=ci_pct,
+        blocker=blocker,
+    )
+
+
+def compare_throughput(
+    baseline_batches: npt.ArrayLike,
+    candidate_batches: npt.ArrayLike,
+    *,
+    thresholds: Thresholds,
+    metric: str = "output_tokens_per_s",
+    cell: str = "",
+) -> Comparison:
+    """Compare two steady-state throughputs from their batch rates with
+    THROUGHPUT_DELTA_METHOD; higher is better. INCONCLUSIVE with fewer than 2 batches a
+    side or a mean ≤ 0 (no ratio)."""
+    b, _ = finite_values(baseline_batches)
+    c, _ = finite_values(candidate_batches)
+    bv = float(np.mean(b)) if b.size else None
+    cv = float(np.mean(c)) if c.size else None
+    ci_abs = ci_pct = None
+    blocker = None
+    if min(b.size, c.size) < 2:
+        blocker = f"needs ≥ 2 batch rates per side; baseline has {b.size}, candidate {c.size}"
+    elif bv is None or cv is None or bv <= 0 or cv <= 0:
+        blocker = "a side's throughput is ≤ 0: a ratio is undefined"
+    else:
+        vb = float(np.var(b, ddof=1)) / (b.size * bv**2)
+        vc = float(np.var(c, ddof=1)) / (c.size * cv**2)
+        se2 = vb + vc
+        half = 0.0
+        if se2 > 0:
+            nu = se2**2 / (vc**2 / (c.size - 1) + vb**2 / (b.size - 1))
+            half = float(st.t.ppf((1.0 + thresholds.level) / 2.0, nu)) * math.sqrt(se2)
+        log_r = math.log(cv / bv)
+        lo, hi = math.exp(log_r - half), math.exp(log_r + half)
+        ci_pct = ((lo - 1.0) * 100.0, (hi - 1.0) * 100.0)
+        ci_abs = (bv * (lo - 1.0), bv * (hi - 1.0))
+    return _finish(
+        cell=cell,
+        metric=metric,
+        statistic="steady",
+        direction=Direction.HIGHER_IS_BETTER,
+        thresholds=thresholds,
+        method=THROUGHPUT_DELTA_METHOD,
         b=bv,
         c=cv,
         nb=b.size,

@@ -27,11 +27,14 @@ __all__ = [
     "QUANTILE_CI_METHOD",
     "RULES_INTERVAL",
     "SPREAD_CI_METHOD",
+    "THROUGHPUT_BATCHES",
+    "THROUGHPUT_CI_METHOD",
     "THROUGHPUT_METHOD",
     "CellStats",
     "Estimate",
     "FloatArray",
     "PercentileStat",
+    "batch_means_ci",
     "finite_values",
     "mad",
     "mad_ci",
@@ -94,6 +97,18 @@ MAD_METHOD = "median(|x − median(x)|), unscaled"
 """In the metric's unit; multiply by 1.4826 for a normal-consistent estimate of σ."""
 
 THROUGHPUT_METHOD = "tokens inside the window / window length, prorated by overlap"
+
+THROUGHPUT_BATCHES = 10
+"""K, the equal batches the steady window is cut into for the throughput's interval."""
+
+THROUGHPUT_CI_METHOD = f"batch means: {THROUGHPUT_BATCHES} equal batches of the window, Student t"
+"""The steady window is cut into K = THROUGHPUT_BATCHES batches of equal length and each
+batch's tokens/s counted like the whole window's (tokens at their own stamps, a whole
+response's spread over its span); their mean is the window's rate and its interval is
+mean ± t_{K−1, (1+level)/2} · s/√K (`batch_means_ci`). Per-second token counts are
+autocorrelated (a request streams over many seconds); batches of a tenth of the window
+each are long against one request, which makes their means nearly independent — the
+classical batch-means method of simulation output analysis. Within-run only."""
 
 _MIN_N_BOOTSTRAP = 10
 _BOOTSTRAP_BATCH_ELEMS = 2_000_000  # resample values held in memory at once
@@ -520,6 +535,14 @@ def summarize(
         spread_ci_method=f"{SPREAD_CI_METHOD} (seed {seed}, {n_resamples} resamples, "
         f"m = {bootstrap_max_n})",
     )
+
+
+def batch_means_ci(
+    batch_rates: npt.ArrayLike, level: float = 0.95
+) -> tuple[float | None, float | None]:
+    """THROUGHPUT_CI_METHOD: mean ± t_{K−1,(1+level)/2} · s/√K of the K batch rates;
+    (None, None) with fewer than 2 batches (a NaN batch, not measured, is dropped)."""
+    return mean_ci(batch_rates, level)
 
 
 def steady_throughput(

@@ -25,7 +25,13 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.stats.quantiles import CellStats, summarize, window_tokens
+from analysis.stats.quantiles import (
+    THROUGHPUT_BATCHES,
+    CellStats,
+    batch_means_ci,
+    summarize,
+    window_tokens,
+)
 from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.load import TokenParts
 from analysis.tables.quality import Partition, Reason
@@ -129,6 +135,10 @@ class CellSummary:
     steady_requests_per_s: float | None
     steady_window_s: float | None
     metrics: dict[str, CellStats] = field(default_factory=dict)
+    # the steady window's output tokens/s per batch (THROUGHPUT_CI_METHOD) and the
+    # interval of their mean (steady_output_tokens_per_s)
+    throughput_batches: tuple[float, ...] = ()
+    steady_output_tokens_per_s_ci: tuple[float, float] | None = None
     # requests the server served partly from its prefix cache beyond the prompt's shared
     # part (ext.cached_tokens > ext.prompt_unique_from): their TTFT is not a cold prefill
     served_from_cache: int = 0
@@ -279,17 +289,31 @@ def _windows(
     return SteadyWindows(w_start, w_end, offset)
 
 
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    tokens_per_s: float | None = None
+    requests_per_s: float | None = None
+    window_s: float | None = None
+    total: int = 0
+    batches: tuple[float, ...] = ()
+
+
 def _throughput(
     table: pa.Table, succ: IntArray, events: EventSums, windows: SteadyWindows, g: int
-) -> tuple[float | None, float | None, float | None, int]:
+) -> _Rates:
     """Steady-state output tokens/s and completions/s of the successes `succ` of group
     `g`: tokens counted at their own arrival inside the group's window; completions/s
-    counts the requests that ended inside the closed window."""
+    counts the requests that ended inside the closed window; and the tokens/s of each of
+    the window's THROUGHPUT_BATCHES batches (its interval: THROUGHPUT_CI_METHOD)."""
     if succ.size == 0:
-        return None, None, None, 0
+        return _Rates()
     window = (int(windows.start_ns[g]), int(windows.end_ns[g]))
     whole = succ[~events.has_events[succ]]
     spread, total = None, int(events.tokens[g])
+    per_batch = np.array(events.batch_tokens[g], dtype=np.float64)
+    # batch b is [w0 + ⌈b·span/K⌉, w0 + ⌈(b+1)·span/K⌉): tokens.batch_of's batches
+    span, k = window[1] - window[0], THROUGHPUT_BATCHES
+    edges = [window[0] + (span * b + k - 1) // k for b in range(k + 1)]
     if whole.size:  # a whole (non-streamed) response: its tokens spread from t4 to t5
         t0 = _np(table.column("client_ns.request_start"), np.int64, 0)[whole]
         base = _np(table.column("join.client_wall_start_ns"), np.int64, 0)[whole]
@@ -298,17 +322,21 @@ def _throughput(
         out_tok = _np(table.column("workload.actual_output_tokens"), np.float64, 0.0)[whole]
         s, e = base + (t4 - t0), base + (np.maximum(t5, t4) - t0)
         spread = window_tokens(s, e, out_tok, window)
+        for b in range(THROUGHPUT_BATCHES):
+            per_batch[b] += window_tokens(s, e, out_tok, (edges[b], edges[b + 1])) or 0.0
         total = int(events.tokens[g] + out_tok.sum())
     length_s = (window[1] - window[0]) / 1e9
     if length_s <= 0:
-        return None, None, None, total
+        return _Rates(total=total)
     rate = None
+    batches: tuple[float, ...] = ()
     if events.touched[g] or spread is not None:
         rate = (float(events.window_tokens[g]) + (spread or 0.0)) / length_s
+        batches = tuple(float(x) / (length_s / THROUGHPUT_BATCHES) for x in per_batch)
     start = _np(table.column("join.client_wall_start_ns"), np.int64, 0)[succ]
     end = start + _np(table.column("join.client_span_ns"), np.int64, 0)[succ]
     done = (end >= window[0]) & (end <= window[1])
-    return rate, float(np.count_nonzero(done)) / length_s, length_s, total
+    return _Rates(rate, float(np.count_nonzero(done)) / length_s, length_s, total, batches)
 
 
 def group_cells(
@@ -391,7 +419,8 @@ def summarize_cells(
         classes, counts = np.unique(e[failed].astype(str), return_counts=True)
         whole_cell = cells.by_cell[cell_index[cell.key]]
         g = groups[(cell.key, cell.partition)]
-        rate, rps, window_s, total = _throughput(table, succ[g], events, windows, g)
+        rates = _throughput(table, succ[g], events, windows, g)
+        ci = batch_means_ci(rates.batches, level) if rates.batches else (None, None)
         summaries.append(
             CellSummary(
                 key=cell.key,
@@ -408,10 +437,14 @@ def summarize_cells(
                     for r, m in reason_rows.items()
                     if (c := int(np.count_nonzero(m[whole_cell])))
                 },
-                output_tokens=total,
-                steady_output_tokens_per_s=rate,
-                steady_requests_per_s=rps,
-                steady_window_s=window_s,
+                output_tokens=rates.total,
+                steady_output_tokens_per_s=rates.tokens_per_s,
+                steady_requests_per_s=rates.requests_per_s,
+                steady_window_s=rates.window_s,
+                throughput_batches=rates.batches,
+                steady_output_tokens_per_s_ci=None
+                if ci[0] is None or ci[1] is None
+                else (ci[0], ci[1]),
                 served_from_cache=int(np.count_nonzero(from_cache[rows])),
                 cached_tokens=int(cached[rows].sum()),
                 metrics={

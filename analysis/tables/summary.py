@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from analysis.stats.quantiles import THROUGHPUT_METHOD, CellStats
+from analysis.stats.quantiles import THROUGHPUT_CI_METHOD, THROUGHPUT_METHOD, CellStats
 from analysis.tables.cells import ERROR_GROUPS, CellSummary
 
 __all__ = ["SUMMARY_SCHEMA", "summary_table"]
@@ -48,6 +48,7 @@ def summary_table(summaries: list[CellSummary]) -> pa.Table:
     """Long format: one row per (cell, partition, metric); cell-level counts repeated."""
     rows = []
     for s in summaries:
+        ci = s.steady_output_tokens_per_s_ci
         base: dict[str, Any] = {
             "cell": s.key.label,
             "cell_name": s.key.name,
@@ -69,9 +70,14 @@ def summary_table(summaries: list[CellSummary]) -> pa.Table:
             "excluded_by_reason": json.dumps(s.excluded_by_reason, sort_keys=True),
             "output_tokens": s.output_tokens,
             "steady_output_tokens_per_s": s.steady_output_tokens_per_s,
+            "steady_output_tokens_per_s_lo": ci[0] if ci else None,
+            "steady_output_tokens_per_s_hi": ci[1] if ci else None,
+            # the batch rates the interval and the throughput comparisons read
+            "throughput_batches": json.dumps(list(s.throughput_batches)),
             "steady_requests_per_s": s.steady_requests_per_s,
             "steady_window_s": s.steady_window_s,
             "throughput_method": THROUGHPUT_METHOD,
+            "throughput_ci_method": THROUGHPUT_CI_METHOD,
         }
         for name, stats in s.metrics.items():
             rows.append({**base, "metric": name, **_stats_columns(stats)})
@@ -101,9 +107,13 @@ def _summary_schema() -> pa.Schema:
         ("excluded_by_reason", s),
         ("output_tokens", i64),
         ("steady_output_tokens_per_s", f64),
+        ("steady_output_tokens_per_s_lo", f64),
+        ("steady_output_tokens_per_s_hi", f64),
+        ("throughput_batches", s),
         ("steady_requests_per_s", f64),
         ("steady_window_s", f64),
         ("throughput_method", s),
+        ("throughput_ci_method", s),
         ("metric", s),
         ("count", i64),
         ("missing", i64),

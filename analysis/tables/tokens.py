@@ -11,6 +11,8 @@ belong to none):
     window_tokens[g]  tokens of the events stamped inside the group's steady window
                       [w0, w1) on the client's wall clock
     touched[g]        whether any event (even one carrying no token) is inside it
+    batch_tokens[g]   window_tokens[g] split over THROUGHPUT_BATCHES equal batches of the
+                      window (the batch means of the throughput's interval)
     tokens[g]         tokens of all its events
 
 and, per request row, `has_events`. A part is read, reduced and dropped before the next.
@@ -29,10 +31,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.errors import ArtifactError
+from analysis.stats.quantiles import THROUGHPUT_BATCHES
 from analysis.tables.join import BoolArray, FloatArray, IntArray, positions
 from analysis.tables.load import TokenParts
 
-__all__ = ["EventSums", "SteadyWindows", "reduce_events"]
+__all__ = ["EventSums", "SteadyWindows", "batch_of", "reduce_events"]
 
 _IDX_BITS = 24  # event index bits of the (request row, event index) sort key
 
@@ -47,6 +50,14 @@ class EventSums:
     window_tokens: FloatArray
     touched: BoolArray
     tokens: IntArray
+    batch_tokens: FloatArray  # [group, THROUGHPUT_BATCHES]
+
+
+def batch_of(wall_ns: IntArray, start_ns: IntArray, end_ns: IntArray) -> IntArray:
+    """The batch (0..THROUGHPUT_BATCHES − 1) of stamps inside their window [start, end):
+    ⌊(t − start) · K / (end − start)⌋, in integer ns."""
+    span = np.maximum(end_ns - start_ns, 1)
+    return np.asarray(((wall_ns - start_ns) * THROUGHPUT_BATCHES) // span, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +168,7 @@ class _Reduction:
         self.window_tokens = np.zeros(n_groups + 1)
         self.touched = np.zeros(n_groups + 1, dtype=bool)
         self.tokens = np.zeros(n_groups + 1)
+        self.batch_tokens = np.zeros((n_groups + 1) * THROUGHPUT_BATCHES)
 
     def add(self, path: str, part: pa.Table) -> None:
         pos = positions(part.column("request_id"), self.request_ids)
@@ -186,6 +198,13 @@ class _Reduction:
         self.tokens += np.bincount(g, weights=count, minlength=n + 1)
         self.window_tokens += np.bincount(g[inside], weights=count[inside], minlength=n + 1)
         self.touched |= np.bincount(g[inside], minlength=n + 1) > 0
+        gi = g[inside]
+        b = batch_of(wall[inside], windows.start_ns[gi], windows.end_ns[gi])
+        self.batch_tokens += np.bincount(
+            gi * THROUGHPUT_BATCHES + b,
+            weights=count[inside],
+            minlength=(n + 1) * THROUGHPUT_BATCHES,
+        )
 
     def rejoin_split(self, parts: TokenParts) -> None:
         """Recompute the ITL of requests whose events are in several parts, as one."""
@@ -202,6 +221,7 @@ class _Reduction:
             self.window_tokens[:n],
             self.touched[:n],
             self.tokens[:n].astype(np.int64),
+            self.batch_tokens.reshape(n + 1, THROUGHPUT_BATCHES)[:n],
         )
 
 

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from analysis.stats.compare import MetricRule, Thresholds, Verdict, compare_cells, direction_for
+from analysis.stats.compare import (
+    THROUGHPUT_DELTA_METHOD,
+    MetricRule,
+    Thresholds,
+    Verdict,
+    compare_cells,
+    compare_throughput,
+)
 from analysis.views import plots
 from analysis.views.model import (
     DASH,
@@ -527,38 +534,46 @@ def _wins_and_losses(rv: RunView, base: RunView, level: float, s: Section) -> li
                 row_class=[{"loss": "fail", "win": "pass"}.get(r[-1], "") for r in shown],
             )
         )
-    out.append(_throughput(rv, base, labels))
+    out.append(_throughput(rv, base, labels, level))
     return out
 
 
-def _throughput(rv: RunView, base: RunView, labels: Sequence[str]) -> Any:
-    def tput(x: RunView) -> dict[str, float | None]:
+def _throughput(rv: RunView, base: RunView, labels: Sequence[str], level: float) -> Any:
+    """Steady-state output tokens/s of every matched cell, the gain with its interval
+    (THROUGHPUT_DELTA_METHOD on the batch rates summary.parquet keeps): a win or a loss
+    only when the interval excludes 0."""
+
+    def batches(x: RunView) -> dict[str, list[float]]:
         return {
-            r["cell"]: r["steady_output_tokens_per_s"]
+            r["cell"]: json.loads(r.get("throughput_batches") or "[]")
             for r in summary_rows(x)
-            if r["partition"] == "measured"
+            if r["partition"] == "measured" and r["steady_output_tokens_per_s"] is not None
         }
 
-    c, b = tput(rv), tput(base)
-    assert direction_for("output_tokens_per_s").value == "higher_is_better"
-    rows = []
+    c, b = batches(rv), batches(base)
+    rows, classes = [], []
     for lab in labels:
-        cv, bv = c.get(lab), b.get(lab)
-        pct = (cv / bv - 1) * 100 if cv is not None and bv else None
+        if lab not in c or lab not in b:
+            continue
+        comp = compare_throughput(b[lab], c[lab], thresholds=Thresholds(0.0, 0.0, level))
+        word = {Verdict.IMPROVEMENT: "higher (win)", Verdict.REGRESSION: "lower (loss)"}
+        outcome = word.get(comp.verdict, "no clear difference")
         rows.append(
             (
                 lab,
-                fmt_num(bv),
-                fmt_num(cv),
-                fmt_pct(pct, signed=True),
-                DASH if pct is None else ("higher (better)" if pct > 0 else "lower (worse)"),
+                fmt_num(comp.baseline),
+                fmt_num(comp.candidate),
+                f"{fmt_pct(comp.delta_pct, signed=True)} {_ci_pct(comp.ci_pct)}",
+                outcome,
             )
         )
+        classes.append({"higher (win)": "pass", "lower (loss)": "fail"}.get(outcome, ""))
     return table(
-        ("cell", "baseline tokens/s", "candidate tokens/s", "delta %", "candidate is"),
+        ("cell", "baseline tokens/s", "candidate tokens/s", "delta % [CI]", "candidate is"),
         rows,
         name="throughput-delta",
-        caption="steady-state output tokens/s: higher is better; point estimates of one run "
-        "each (no interval)",
+        caption=f"steady-state output tokens/s: higher is better; {level * 100:g}% interval "
+        f"of the change by {THROUGHPUT_DELTA_METHOD} (within-run)",
         numeric=(False, True, True, True, False),
+        row_class=classes,
     )

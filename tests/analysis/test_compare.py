@@ -198,3 +198,39 @@ def test_false_regression_rate_at_zero_allowance_is_nominal(q: float | None, n: 
     got = _verdicts(q, n, 1.0, 0.0, reps)
     print(f"q={q} n={n} no shift vs 0% allowed: {dict(got)}")
     assert got["regression"] <= 0.05 * reps
+
+
+# --- throughput: batch means of each window -----------------------------------------------
+
+
+def test_throughput_comparison_by_hand() -> None:
+    b = np.array([90.0, 110.0] * 5)  # mean 100, s² = 111.1, K = 10
+    c = np.array([108.0, 132.0] * 5)  # mean 120, s² = 160, K = 10
+    r = C.compare_throughput(b, c, thresholds=Thresholds(0.0))
+    vb, vc = (1000 / 9) / (10 * 100**2), 160 / (10 * 120**2)
+    nu = (vb + vc) ** 2 / (vb**2 / 9 + vc**2 / 9)
+    half = st.t.ppf(0.975, nu) * np.sqrt(vb + vc)
+    assert r.delta_pct == pytest.approx(20.0)
+    assert r.ci_pct == pytest.approx(
+        ((1.2 * np.exp(-half) - 1) * 100, (1.2 * np.exp(half) - 1) * 100)
+    )
+    assert r.direction is Direction.HIGHER_IS_BETTER and r.statistic == "steady"
+    assert r.verdict is Verdict.PASS  # higher is better: +20% is no regression
+    flat = C.compare_throughput([5.0, 5.0], [5.0, 5.0], thresholds=Thresholds(0.0))
+    assert flat.ci_pct == (0.0, 0.0)
+    one = C.compare_throughput([5.0], [6.0, 6.0], thresholds=Thresholds(0.0))
+    assert one.verdict is Verdict.INCONCLUSIVE and "≥ 2 batch rates" in one.reason
+
+
+def test_throughput_ratio_interval_covers_95_percent() -> None:
+    """10 batch rates a side, candidate 1.1× the baseline: the interval of the ratio
+    holds the true +10% in 93–97% of 2000 seeded pairs (MC SE 0.49 points)."""
+    rng = np.random.default_rng(19)
+    reps, hits = 2000, 0
+    for _ in range(reps):
+        b = rng.normal(100.0, 8.0, 10)
+        c = rng.normal(110.0, 8.0, 10)
+        r = C.compare_throughput(b, c, thresholds=Thresholds(0.0))
+        assert r.ci_pct is not None
+        hits += r.ci_pct[0] <= 10.0 <= r.ci_pct[1]
+    assert 0.93 <= hits / reps <= 0.97

@@ -3,6 +3,7 @@ optimization targets, throughput gains, SLOs, capacity and device limits."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,22 @@ def test_throughput_gain(tmp_path: Path) -> None:
     assert _verdicts(result)["tp"]["status"] == "not_evaluated"
 
 
+def test_throughput_gain_near_its_target_is_inconclusive(tmp_path: Path) -> None:
+    """Issue 19 item 3: the gain has an interval (batch means), so a gain near the target
+    is INCONCLUSIVE, not a pass or a fail on a point estimate."""
+    rule = {"id": "tp", "kind": "throughput_gain", "min_gain_pct": 10}
+    base = _run(tmp_path / "base", spacing_ms=200, cells=("target",))
+    near = _run(tmp_path / "near", spacing_ms=182, cells=("target",))  # about +10%
+    result = analyze(near, baseline=base, rules_path=_rules(tmp_path, rule))
+    v = _verdicts(result)["tp"]
+    assert v["status"] == "inconclusive", v["reason"]
+    lo, hi = v["details"][0]["ci_pct"]
+    assert lo < 10 < hi and lo < v["observed"] < hi
+    assert "straddles the +10% target" in v["reason"]
+    assert v["details"][0]["method"].startswith("batch means")
+    assert result.exit_code == 0  # inconclusive fails only with fail_on_inconclusive
+
+
 def test_slo(tmp_path: Path) -> None:
     run_dir = _run(tmp_path / "run", tpot_ms=10.0, cells=("target",))
 
@@ -158,3 +175,25 @@ def test_disabled_rules_are_reported_not_evaluated(tmp_path: Path) -> None:
     rule = {**OPT, "enabled": False, "target": {"names": []}}
     v = _verdicts(analyze(run_dir, rules_path=_rules(tmp_path, rule)))["opt"]
     assert v["status"] == "not_evaluated" and v["reason"].startswith("disabled")
+
+
+def test_the_reports_throughput_comparison_has_an_interval(tmp_path: Path) -> None:
+    """The paired comparison's throughput table (issue 19 item 3): the gain with its
+    interval, a win only when the interval excludes 0."""
+    from analysis.analyze import write_outputs
+    from analysis.report import build_view, render
+    from tests.analysis.test_report import Page
+
+    base = _run(tmp_path / "base", spacing_ms=200, cells=("target",))
+    fast = _run(tmp_path / "fast", spacing_ms=150, cells=("target",))
+    for run, baseline in ((base, None), (fast, base)):
+        write_outputs(analyze(run, baseline=baseline), run)
+    rows = Page(render(build_view(fast, baseline=base))).tables["throughput-delta"]
+    assert len(rows) == 1
+    cell, _b, _c, delta, outcome = rows[0]
+    assert cell == "target|c1|closed|stream"
+    m = re.fullmatch(r"\+([\d.]+)% \[\+?([-\d.]+), \+?([-\d.]+)\]%", delta)
+    assert m is not None, delta
+    gain, lo, hi = (float(x) for x in m.groups())
+    assert 0 < lo < gain < hi and gain == pytest.approx(33.0, abs=1.0)
+    assert outcome == "higher (win)"
