@@ -46,6 +46,7 @@ from analysis.stats import quantiles as stats
 from analysis.tables.cells import CellSummary
 from analysis.tables.join import load_run
 from analysis.tables.summary import summary_table
+from analysis.tables.vendor import vendor_summary
 from calculet_load.schema.fs import resolve_fs
 
 __all__ = ["OUTPUTS", "Analysis", "analyze", "write_outputs"]
@@ -142,14 +143,15 @@ def _first(rules: RulesFile, kind: type[Any]) -> Any:
 
 
 def _sections(rules: RulesFile, ctx: Context) -> dict[str, Any]:
-    """The batch (§7), capacity (§14.3), leaks (§13) and boundary (§6.1) sections; null
-    without data."""
+    """The batch (§7), capacity (§14.3), leaks (§13) and boundary (§6.1) sections, null
+    without data; the vendor's counters (§17), which say when the run has none."""
     cap = capacity.cached_capacity(ctx, _first(rules, CapacityRule))
     return {
         "boundary": boundary.boundary_section(ctx, _first(rules, BoundaryPolicyRule)),
         "batch": batch.batch_section(batch.cached_batch(ctx, _first(rules, BatchRule))),
         "capacity": capacity.capacity_section(cap),
         "leaks": resources.leak_section(ctx, _first(rules, LeakRule)),
+        "vendor": vendor_summary(ctx.candidate.run.vendor, ctx.candidate.table),
     }
 
 

@@ -77,7 +77,7 @@ def load_view(uri: str) -> RunView:
         rv.table, _ = apply_quality(data)
         rv.cell_code, rv.cell_labels = label_column(rv.table)
         rv.selfwatch, rv.steps = data.selfwatch, data.steps
-        rv.resources = data.resources
+        rv.resources, rv.vendor = data.resources, data.vendor
         rv.client_offsets_ns, rv.server_offset_ns = data.client_offsets_ns, data.server_offset_ns
     except AnalysisError as exc:
         rv.load_error = f"the records could not be read: {exc}"
@@ -92,11 +92,15 @@ def load_view(uri: str) -> RunView:
     return rv
 
 
-def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
-    """The whole report's view model from the run folder (and the baseline's)."""
+def build_view(
+    run_dir: str, baseline: str | None = None, *, legacy: str | None = None
+) -> ReportView:
+    """The whole report's view model from the run folder (and the baseline's; and a
+    legacy CSV import's trend line, spec §1, non-authoritative)."""
     from analysis.tables.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS
     from analysis.views import cells as cellviews
     from analysis.views import counterexamples, loadcurves, provenance, soakgaps, timelines
+    from analysis.views import vendor as vendorviews
     from analysis.views.model import ReportView
 
     rv = load_view(run_dir)
@@ -146,8 +150,9 @@ def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
         timelines.soak_section(rv),
         timelines.faults_section(rv),
         provenance.signature_section(rv),
-        provenance.vendor_section(rv),
+        vendorviews.vendor_section(rv),
     )
+    legacy_trend = (vendorviews.legacy_section(legacy, rv),) if legacy is not None else ()
     notes += soakgaps.gap_notes(rv)
     notes += list((rv.verdict or {}).get("run", {}).get("notes") or []) + rv.files.notes
     if base is not None:
@@ -156,7 +161,7 @@ def build_view(run_dir: str, baseline: str | None = None) -> ReportView:
     return ReportView(
         title=f"calculet-load acceptance report: {b.run_id} ({b.status})",
         banner=b,
-        sections=sections,
+        sections=sections + legacy_trend,
         notes=tuple(notes),
         tool=_tool(),
     )
@@ -185,13 +190,19 @@ def render(view: ReportView) -> str:
     return env.get_template("report.html.j2").render(view=view)
 
 
-def write_report(run_dir: str, baseline: str | None = None, *, out: str | None = None) -> str:
+def write_report(
+    run_dir: str,
+    baseline: str | None = None,
+    *,
+    out: str | None = None,
+    legacy: str | None = None,
+) -> str:
     """Render the report of `run_dir` into `out` (default RUN/report.html), written to a
     temporary name and renamed; returns its path. The pipeline calls this after the
     analysis and before signing, so the bundle covers the report."""
     from analysis.tables.runfiles import RunFiles
 
-    html = render(build_view(run_dir, baseline)).encode("utf-8")
+    html = render(build_view(run_dir, baseline, legacy=legacy)).encode("utf-8")
     files = RunFiles(run_dir)
     if out is None:
         target_fs, path = files.fs, files.path(REPORT_NAME)
@@ -209,13 +220,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run folder (path or URI) with verdict.json from `analyze`")
     p.add_argument("--baseline", help="baseline run folder (default: the one verdict.json names)")
     p.add_argument("--out", help=f"output file (default: RUN/{REPORT_NAME})")
+    p.add_argument(
+        "--legacy",
+        metavar="DIR",
+        help="a legacy CSV import (`calculet-load import-legacy`): shown as a trend line, "
+        "marked non-authoritative (spec §1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from analysis.errors import AnalysisError
 
     try:
-        path = write_report(args.run_dir, args.baseline, out=args.out)
+        path = write_report(args.run_dir, args.baseline, out=args.out, legacy=args.legacy)
     except AnalysisError as exc:
         print(f"report: {exc}", file=sys.stderr)
         return int(exc.exit_code)

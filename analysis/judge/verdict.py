@@ -159,6 +159,14 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
         + f"; dropped {parts.get('dropped', 0)}, cut at stop {parts.get('cut_at_stop', 0)}"
     )
     lines.append(f"  server traces joined to {doc['run']['joined']} records")
+    vendor = doc.get("vendor") or {}
+    if vendor.get("present"):
+        lines.append(
+            f"  vendor trace ({vendor['file']}): {vendor['op_rows']} op rows, "
+            f"{len(vendor['chips'])} chip(s), joined to {vendor['joined_records']} records"
+        )
+    elif vendor:
+        lines.append(f"  {vendor['note']}")
     measured = [c for c in doc["cells"] if c["partition"] == "measured" and not c.get("boundary")]
     for c in measured[:_MAX_CELLS]:
         p50 = c["p50_ms"]

@@ -7,6 +7,9 @@ Per request, from `server_events.jsonl` on the server's monotonic clock (ns):
     F0 = token_flushed, step 0    SL = last sampled             FL = last token_flushed
 
     server_ms.queue        = P0 − A                 admission + wait for the prefill job
+    join.slot_wait_ms      = SA − A                 SA = slot_assigned: waiting for a slot
+    join.admission_wait_ms = AD − SA                AD = admitted: holding a slot, waiting
+                                                    for KV and an OutputBuf lease (§10.1)
     server_ms.prefill      = S0 − P0                prepare, H2D, device, D2H, sampling
     server_ms.decode_total = SL − F0                (null with one step)
     server_ms.postprocess  = (F0 − S0) + (FL − max(SL, F0))   first and last flush
@@ -16,6 +19,14 @@ Per request, from `server_events.jsonl` on the server's monotonic clock (ns):
     join.server_span_ms        = FL − A  (A to the last outcome event if no token flushed)
     join.unattributed_ttft_ms  = TTFT − (F0 − A)    client and network time before the
     join.unattributed_e2e_ms   = E2E − join.server_span_ms       server saw / after it sent
+
+Vendor counters (`server/vendor.jsonl`, spec §17; absent for most targets): per
+request, the sums over its `op` rows of
+
+    vendor.cycles, vendor.d2d_bytes, vendor.ddr_bytes, vendor.pcie_bytes
+
+joined by request id as the steps are (null where the request has no row, or no row
+with that counter).
 
 Coalesced events (a proxy or gateway buffering the stream): per streamed request,
 
@@ -63,6 +74,7 @@ __all__ = [
     "COALESCED_EVENTS",
     "COALESCED_SPAN_MS",
     "JOIN_COLUMNS",
+    "VENDOR_COUNTERS",
     "coalesced_note",
     "device_extremes",
     "join_run",
@@ -70,6 +82,7 @@ __all__ = [
     "positions",
 ]
 
+VENDOR_COUNTERS = ("cycles", "d2d_bytes", "ddr_bytes", "pcie_bytes")
 COALESCED_EVENTS = 4  # events in one read, at least
 COALESCED_SPAN_MS = 20.0  # the server's own first-to-last token flush, at least
 
@@ -87,6 +100,9 @@ JOIN_COLUMNS: dict[str, pa.DataType] = {
     "device.throttled": pa.bool_(),
     "join.server_flush_span_ms": pa.float64(),
     "join.coalesced": pa.bool_(),
+    "join.slot_wait_ms": pa.float64(),
+    "join.admission_wait_ms": pa.float64(),
+    **{f"vendor.{c}": pa.int64() for c in VENDOR_COUNTERS},
 }
 """Columns `join_run` adds to `RunData.requests` (it also fills server_ms.*, runtime_ms.*,
 quality.server_trace_joined and quality.throttled of the record schema)."""
@@ -179,6 +195,10 @@ def _server(run: RunData, n: int, out: dict[str, Any]) -> BoolArray:
         return _extreme(pos, has & (name == event), mono, n, last=True)
 
     a, am = first("accepted")
+    sa, sam = first("slot_assigned")
+    ad, adm = first("admitted")
+    out["join.slot_wait_ms"] = _ms(sa, sam, a, am)
+    out["join.admission_wait_ms"] = _ms(ad, adm, sa, sam)
     p0, p0m = first("job_prepared", step0)
     s0, s0m = first("sampled", step0)
     f0, f0m = first("token_flushed", step0)
@@ -234,6 +254,22 @@ def _steps(run: RunData, n: int, out: dict[str, Any], joined: BoolArray) -> None
         out[f"runtime_ms.h2d_{k}"] = total("h2d_ms", rows)
         out[f"runtime_ms.infer_{k}"] = total("device_wait_ms", rows)
         out[f"runtime_ms.d2h_{k}"] = total("d2h_ms", rows)
+
+
+def _vendor(run: RunData, n: int, out: dict[str, Any]) -> None:
+    """Per request, the sums of the vendor's `op` rows naming it (-1: none)."""
+    v = run.vendor
+    if v is None or v.num_rows == 0:
+        return
+    pos = positions(v.column("request_id"), run.requests.column("request_id"))
+    op = np.asarray(pc.fill_null(pc.equal(v.column("kind"), "op"), False), dtype=bool)
+    for name in VENDOR_COUNTERS:
+        values, valid = _ints(v.column(name))
+        sel = op & valid & (pos >= 0)
+        total = np.zeros(n, dtype=np.int64)
+        np.add.at(total, pos[sel], values[sel])
+        seen = np.bincount(pos[sel], minlength=n)[:n] > 0
+        out[f"vendor.{name}"] = np.where(seen, total, -1)
 
 
 def _client_wall(run: RunData) -> tuple[IntArray, IntArray, BoolArray]:
@@ -378,6 +414,7 @@ def join_run(run: RunData) -> RunData:
     out: dict[str, Any] = {}
     joined = _server(run, n, out)
     _steps(run, n, out, joined)
+    _vendor(run, n, out)
     cstart, cend, cok = _client_wall(run)
     sstart = out.pop("_server_wall_start", np.full(n, _I64_MIN))
     send = out.pop("_server_wall_end", np.full(n, _I64_MIN))

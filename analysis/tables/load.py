@@ -5,6 +5,8 @@
     <run>/client/index.json          the Locust master's index (optional: probes have none)
     <run>/server/server_events.jsonl, steps.jsonl, device.jsonl   (optional; a
                                      `<kind>.parquet` beside one is read instead)
+    <run>/server/vendor.jsonl        the vendor's counters (optional, spec §17:
+                                     calculet_load.schema.traces.VendorRow)
     <run>/server/resources.jsonl     resources sampled during the run (optional, §13);
                                      without it, built from server/metrics.jsonl and
                                      server/process.jsonl when the run has those
@@ -59,7 +61,7 @@ from calculet_load.schema.records import (
 )
 from calculet_load.schema.runfolder import CLIENT_INDEX_SCHEMA as INDEX_SCHEMA
 from calculet_load.schema.runfolder import ClientIndex, part_files
-from calculet_load.schema.traces import DeviceRow, ServerEventRow, StepRow
+from calculet_load.schema.traces import DeviceRow, ServerEventRow, StepRow, VendorRow
 
 __all__ = [
     "INDEX_SCHEMA",
@@ -81,6 +83,7 @@ TRACE_FILES = {
     "steps": "server/steps.jsonl",
     "device": "server/device.jsonl",
     "resources": "server/resources.jsonl",
+    "vendor": "server/vendor.jsonl",
 }
 
 Progress = Callable[[str], None]
@@ -105,6 +108,7 @@ _TRACE_SCHEMAS = {
     "steps": _STEP_COLUMNS,
     "device": _DEVICE_COLUMNS,
     "resources": arrow_schema(ResourceRow, "calculet-resources/v1").remove_metadata(),
+    "vendor": trace_columns(VendorRow),
 }
 
 
@@ -156,6 +160,7 @@ class RunData:
     steps: pa.Table | None = None
     device: pa.Table | None = None
     resources: pa.Table | None = None
+    vendor: pa.Table | None = None  # server/vendor.jsonl (spec §17), when the run has it
     index: dict[str, Any] | None = None
     manifest: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None
@@ -526,6 +531,7 @@ def read_run_files(uri: str, *, progress: Progress | None = None) -> RunData:
         steps=traces["steps"],
         device=traces["device"],
         resources=traces["resources"],
+        vendor=traces["vendor"],
         index=index,
         manifest=manifest,
         plan=plan if isinstance(plan, dict) else None,

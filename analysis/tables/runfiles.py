@@ -259,6 +259,8 @@ class RunFiles:
                 ("wall_ns", pa.int64()),
                 ("chips", pa.list_(chip)),
                 ("pending_jobs", pa.int64()),
+                ("finished_jobs", pa.int64()),
+                ("left_jobs", pa.int64()),
                 ("reset_count", pa.int64()),
             ]
         )

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from analysis.tables.join import positions
 from analysis.tables.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS, ServerScan, redact
+from analysis.tables.vendor import GRAPH_SERVICE_ONLY
 from analysis.views import plots
 from analysis.views.model import (
     DASH,
@@ -88,6 +89,8 @@ def slowest_section(rv: RunView) -> Section:
         for k in (
             "durations_ms.ttft",
             "server_ms.queue",
+            "join.slot_wait_ms",
+            "join.admission_wait_ms",
             "server_ms.prefill",
             "server_ms.decode_total",
             "server_ms.postprocess",
@@ -97,6 +100,7 @@ def slowest_section(rv: RunView) -> Section:
             "workload.prompt_tokens",
             "workload.actual_output_tokens",
             "join.wall_start_ns",
+            "vendor.cycles",
         )
     }
     joined = rv.col("quality.server_trace_joined", False, bool)[top]
@@ -125,11 +129,14 @@ def slowest_section(rv: RunView) -> Section:
                 fmt_ms(e2e[i]),
                 fmt_ms(c["durations_ms.ttft"][j]),
                 fmt_ms(q),
+                fmt_ms(c["join.slot_wait_ms"][j]),
+                fmt_ms(c["join.admission_wait_ms"][j]),
                 fmt_ms(pf),
                 fmt_ms(dec),
                 fmt_ms(device),
                 fmt_ms(post),
                 fmt_ms(un),
+                fmt_int(c["vendor.cycles"][j]),
                 fmt_rel(rv.rel_s(c["join.wall_start_ns"][j])),
             )
         )
@@ -150,8 +157,15 @@ def slowest_section(rv: RunView) -> Section:
         "Successful requests of the measured and throttled partitions, slowest end-to-end "
         "first. E2E = queue + prefill + decode + post-process + unattributed; device is the "
         "device wait inside prefill and decode (steps.jsonl). Unattributed is time no server "
-        "trace explains: the client and the network."
+        "trace explains: the client and the network. Queue holds the slot wait (accepted "
+        "→ slot assigned) and the admission wait (slot assigned → admitted: KV and an "
+        "OutputBuf lease), spec §10.1."
     )
+    if rv.vendor is None:
+        s.notes.append(
+            f"device time per op and per chip: {GRAPH_SERVICE_ONLY}: no vendor trace "
+            "(server/vendor.jsonl), so device is the service's device wait, never a kernel"
+        )
     s.figures.append(
         figure(
             plots.breakdown_bars(bars, BREAKDOWN, _COLORS),
@@ -171,16 +185,19 @@ def slowest_section(rv: RunView) -> Section:
                 "E2E ms",
                 "TTFT ms",
                 "queue",
+                "slot wait",
+                "admission wait",
                 "prefill",
                 "decode",
                 "device",
                 "post-process",
                 "unattributed",
+                "vendor cycles",
                 "started",
             ),
             rows,
             name="slowest",
-            numeric=(True, False, False, False, *([True] * 10), False),
+            numeric=(True, False, False, False, *([True] * 13), False),
             row_class=classes,
         )
     )

@@ -143,6 +143,7 @@ class RunView:
     server_offset_ns: int = 0
     steps: pa.Table | None = None
     resources: pa.Table | None = None
+    vendor: pa.Table | None = None  # server/vendor.jsonl (spec §17), None without one
     t0_wall_ns: int | None = None  # the run's start: relative times count from it
 
     def col(self, name: str, fill: Any = None, dtype: Any = None) -> npt.NDArray[Any]:

@@ -1,8 +1,8 @@
 # size: the report's provenance section (plan, software, clocks, network) reads top to bottom as one
 """Report sections about the run as a whole: the verdict banner and the rules, the
 manifest and provenance (versions, hashes, hosts, clock offsets), the executed plan and
-the pipeline's steps (golden before/after included), the signed bundle, and the §17
-note on vendor data."""
+the pipeline's steps (golden before/after included) and the signed bundle (the §17
+vendor data: analysis.views.vendor)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ __all__ = [
     "plan_section",
     "provenance_section",
     "signature_section",
-    "vendor_section",
     "verdicts_section",
 ]
 
@@ -523,22 +522,4 @@ def signature_section(rv: RunView) -> Section:
         "signature. A report rendered again into a signed folder changes report.html, which "
         "verify then names: sign the folder again."
     )
-    return s
-
-
-def vendor_section(rv: RunView) -> Section:
-    s = Section("vendor", "Vendor data (spec §17)")
-    s.intro.append(
-        "Per-op and per-chip cycles, D2D/DDR/PCIe bytes, queue counter semantics and the "
-        "vendor's temperature/power/frequency APIs are not in this run's files. "
-        "End-to-end A/B comparisons hold, but conclusions stop at graph/service level: "
-        "the breakdowns attribute time to server phases (queue, prefill, decode, "
-        "post-process) and device waits as the service's trace reports them, never to "
-        "kernels or chips."
-    )
-    if rv.device is None:
-        s.notes.append(
-            "no server/device.jsonl: device state (temperature, power, frequency, "
-            "throttling) is no data for this run"
-        )
     return s

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.tables.runfiles import redact
+from analysis.tables.vendor import GRAPH_SERVICE_ONLY
 from analysis.views import plots
 from analysis.views.model import (
     DASH,
@@ -117,6 +118,7 @@ def _per_row(dev: pa.Table) -> dict[str, F]:
     )
     out["throttled"] = (np.bincount(parent[thr], minlength=m)[:m] > 0).astype(np.float64)
     out["pending"] = _floats(dev.column("pending_jobs"))
+    out["left"] = _floats(dev.column("left_jobs"))
     out["wall"] = _floats(dev.column("wall_ns"))
     return out
 
@@ -150,6 +152,11 @@ def _limit(rv: RunView, rule: str) -> list[tuple[float, str]]:
 
 def device_section(rv: RunView) -> Section:
     s = Section("device", "Device timeline under load")
+    if rv.vendor is None:
+        s.notes.append(
+            f"device SRAM, D2D/DDR/PCIe bytes and per-chip cycles: {GRAPH_SERVICE_ONLY}: "
+            "the run has no vendor trace (server/vendor.jsonl)"
+        )
     dev = rv.device
     if dev is None or dev.num_rows == 0:
         return s.empty("no server/device.jsonl (no device telemetry from the target)")
@@ -170,7 +177,8 @@ def device_section(rv: RunView) -> Section:
         ("temperature", "hottest chip °C", np.fmax, "device_limits.temperature"),
         ("power", "total power W", np.fmax, "device_limits.power"),
         ("frequency", "lowest chip MHz", np.fmin, ""),
-        ("pending", "jobs on device", np.fmax, ""),
+        ("pending", "jobs pending", np.fmax, ""),
+        ("left", "jobs left on device", np.fmax, ""),
     ):
         if np.isfinite(a[key]).any():
             bx, by = bucket(x, a[key], reduce=red)
@@ -183,7 +191,7 @@ def device_section(rv: RunView) -> Section:
                     span_label="throttled",
                     bands=bands,
                     band_label="matrix cells",
-                    step=key == "pending",
+                    step=key in ("pending", "left"),
                 )
             )
     if not panels:
@@ -199,7 +207,8 @@ def device_section(rv: RunView) -> Section:
     s.intro.append(
         f"{a['wall'].size:,} device samples (every {fmt_num(step)} s) inside the run; "
         f"{int(a['throttled'].sum()):,} with a throttling chip. Unreadable values are gaps, "
-        "never 0. Per cell, while it ran:"
+        "never 0. Jobs pending: prepared, waiting for the device; jobs left: submitted "
+        "and not yet finished (spec §4, §10.2). Per cell, while it ran:"
     )
     s.tables.append(_per_cell(rv, a))
     return s

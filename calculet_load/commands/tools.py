@@ -43,11 +43,20 @@ def _schemas() -> dict[str, Any]:
         "steps": lambda: trace_schema(StepRow),
         "device": lambda: trace_schema(DeviceRow),
         "audit": lambda: trace_schema(AuditRow),
+        "vendor": _vendor_schema,
         "server_metrics": lambda: trace_schema(MetricsScrapeRow),
         "server_process": lambda: trace_schema(ProcessRow),
         "faults": _fault_scenario_schema,
         "soak": _soak_stage_schema,
     }
+
+
+def _vendor_schema() -> dict[str, Any]:
+    """The vendor trace's row (server/vendor.jsonl), titled with its schema version."""
+    from calculet_load.schema.traces import VENDOR_TRACE_SCHEMA, VendorRow
+    from calculet_load.schema.traces import json_schema as trace_schema
+
+    return {**trace_schema(VendorRow), "title": VENDOR_TRACE_SCHEMA}
 
 
 def _soak_stage_schema() -> dict[str, Any]:

@@ -6,6 +6,7 @@ declarations; nothing else re-declares a column name.
 
 from calculet_load.schema.traces import (
     TRACE_SCHEMA_VERSION,
+    VENDOR_TRACE_SCHEMA,
     AuditRow,
     ChipSample,
     DeviceRow,
@@ -13,12 +14,14 @@ from calculet_load.schema.traces import (
     ServerEvent,
     ServerEventRow,
     StepRow,
+    VendorRow,
     json_schema,
     row_to_dict,
 )
 
 __all__ = [
     "TRACE_SCHEMA_VERSION",
+    "VENDOR_TRACE_SCHEMA",
     "AuditRow",
     "ChipSample",
     "DeviceRow",
@@ -26,6 +29,7 @@ __all__ = [
     "ServerEvent",
     "ServerEventRow",
     "StepRow",
+    "VendorRow",
     "json_schema",
     "row_to_dict",
 ]

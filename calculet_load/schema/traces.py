@@ -131,6 +131,41 @@ class DeviceRow:
     sim_time_s: float | None = None
 
 
+VENDOR_TRACE_SCHEMA = "calculet-vendor-trace/v1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VendorRow:
+    """One row of the optional `server/vendor.jsonl` (spec §10.3, §17): the vendor's own
+    counters, which no service trace can give. Schema `calculet-vendor-trace/v1`
+    (`calculet-load schema vendor`).
+
+    `kind` "op": one operator's run on one chip, for one request's step
+    (`request_id`, `step`; `job_id` when known), with its `cycles` and the bytes it
+    moved chip to chip (`d2d_bytes`), to/from device DDR (`ddr_bytes`) and over PCIe
+    (`pcie_bytes`). It is joined to the request records by `request_id`, as steps are;
+    a row without one counts in the per-op and per-chip totals only.
+    `kind` "chip": one chip sampled: its SRAM in use and in total (KiB), and optionally
+    its cycles and bytes since the previous sample.
+    Counts are integers; a counter the vendor cannot read is None, never 0.
+    """
+
+    wall_ns: int
+    mono_ns: int
+    kind: Literal["op", "chip"]
+    chip: int
+    request_id: str | None = None
+    job_id: int | None = None
+    step: int | None = None
+    op: str | None = None
+    cycles: int | None = None
+    d2d_bytes: int | None = None
+    ddr_bytes: int | None = None
+    pcie_bytes: int | None = None
+    sram_used_kib: float | None = None
+    sram_total_kib: float | None = None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AuditRow:
     """One row of the append-only admin audit log (spec §12.4)."""

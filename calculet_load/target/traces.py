@@ -3,7 +3,8 @@
 The one way a run's traces are collected when it ends: the acceptance pipeline and the
 Locust master (at each test stop) call `collect_traces`, which reads
 `GET /traces/{kind}?offset=0` through `TargetAPI.trace_bytes` for `server_events`,
-`steps` and `device`, and writes `server/<kind>.jsonl` where the analysis joins them
+`steps` and `device` (and `vendor`, spec §17, where the target offers it: `optional`),
+and writes `server/<kind>.jsonl` where the analysis joins them
 (`analysis.tables.join`). It returns what it did, as a JSON-ready record for the run's
 index or log:
 
@@ -36,9 +37,12 @@ import gevent
 from calculet_load.schema.fs import write_file
 from calculet_load.target.api import HTTPStatusError, TargetAPI
 
-__all__ = ["TRACE_KINDS", "TraceWindow", "collect_traces"]
+__all__ = ["OPTIONAL_KINDS", "TRACE_KINDS", "TraceWindow", "collect_traces"]
 
 TRACE_KINDS = ("server_events", "steps", "device")
+# offered by some targets only (spec §17: the vendor's counters); its absence is the norm,
+# so it never makes the collection `not_available` or an `error`
+OPTIONAL_KINDS = ("vendor",)
 # the target does not give us this trace: not Calculet, or not to this client
 NOT_OFFERED = frozenset({401, 403, 404, 405, 501})
 Status = Literal["fetched", "not_available", "error"]
@@ -159,6 +163,17 @@ def collect_traces(
     else:
         status = "fetched"
     reasons = [k["reason"] for k in kinds.values() if k.get("reason") and k["status"] != "fetched"]
+    optional: dict[str, dict[str, Any]] = {}
+    for kind in OPTIONAL_KINDS:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            optional[kind] = {"status": "error", "reason": f"not read: {timeout_s:g} s spent"}
+            continue
+        try:
+            with gevent.Timeout(left):
+                optional[kind] = _fetch_one(api, run_dir, kind, window, left)
+        except gevent.Timeout:
+            optional[kind] = {"status": "error", "reason": f"/traces/{kind}: no answer"}
     return {
         "status": status,
         "reason": "; ".join(reasons) or None,
@@ -166,4 +181,5 @@ def collect_traces(
         "seconds": round(time.monotonic() - t0, 3),
         "window": window.to_json() if window is not None else None,
         "kinds": kinds,
+        "optional": optional,
     }
