@@ -651,8 +651,14 @@ class Engine:
         tok = seq.model.token_at(seq.n_generated)
         if tok == EOS:
             return tok
+        if seq.shared_lease:
+            # A buffer another live request holds: whatever it wrote leaks into this output.
+            return WORD_BASE + self.rng.randrange(self.p.output.vocab_size - WORD_BASE)
         crosstalk = self.p.knobs.crosstalk_probability
-        if seq.shared_lease or (crosstalk and self.rng.random() < crosstalk):
-            # Another request's logits leak into this one.
-            tok = WORD_BASE + self.rng.randrange(self.p.output.vocab_size - WORD_BASE)
+        if crosstalk and self.rng.random() < crosstalk:
+            # Another request's logits leak into this one: its latest token. Cross-talk
+            # needs a second request in flight; a request alone generates its own output.
+            others = [s.ids[-1] for s in self.active.values() if s is not seq and s.ids]
+            if others:
+                tok = self.rng.choice(others)
         return tok

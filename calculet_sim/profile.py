@@ -126,7 +126,8 @@ class Leak(_Strict):
 
 
 class Knobs(_Strict):
-    # Probability that a token is taken from another active sequence (cross-talk).
+    # Probability that a token is taken from another active sequence (cross-talk): its
+    # latest token. A request alone is never affected (nothing to leak from).
     crosstalk_probability: float = Field(default=0.0, ge=0, le=1)
     # Probability that a success response carries NaN in a numeric field.
     nan_probability: float = Field(default=0.0, ge=0, le=1)

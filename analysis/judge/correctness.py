@@ -132,6 +132,11 @@ _FLAG = {
         "records' token counts differ from the server's final total",
         "token accounting of the protocol adapter or the server's usage fields",
     ),
+    "error_output": (
+        "ext.error_output_chars",
+        "error responses carried generated output (uninitialized output, §14.1)",
+        "server's error path: an error body or final error event must carry no tokens",
+    ),
 }
 
 
@@ -139,7 +144,14 @@ def _max_count(rule: MaxCountRule, ctx: Context) -> list[RuleVerdict]:
     t = ctx.candidate.table
     column, what, where = _FLAG[rule.kind]
     sent = sent_mask(t) & ~ctx.candidate.in_boundary()  # boundary cells: analysis.judge.boundary
-    flagged = column_np(t.column(column), False, bool) & sent
+    col = t.column(column)
+    # a flag, or a count (error_output_chars: characters an error response carried)
+    flag = (
+        column_np(col, 0, np.int64) > 0
+        if pa.types.is_integer(col.type)
+        else column_np(col, False, bool)
+    )
+    flagged = flag & sent
     n, count = int(np.count_nonzero(sent)), int(np.count_nonzero(flagged))
     if n == 0:
         return [not_evaluated(rule, "no data", threshold=rule.max_count)]
@@ -223,5 +235,6 @@ HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {
     "golden": _golden,
     "nonfinite": _max_count,
     "token_count_mismatch": _max_count,
+    "error_output": _max_count,
     "error_rate": _error_rate,
 }

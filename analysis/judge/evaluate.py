@@ -8,7 +8,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from analysis.judge import batch, boundary, capacity, comparisons, correctness, limits, resources
+from analysis.judge import (
+    batch,
+    boundary,
+    capacity,
+    comparisons,
+    correctness,
+    crosstalk,
+    limits,
+    resources,
+)
 from analysis.judge.evidence import Context, Evidence, not_evaluated
 from analysis.judge.infra import check_infrastructure
 from analysis.judge.rules import RULE_CLASS, RulesFile
@@ -19,6 +28,7 @@ __all__ = ["HANDLERS", "Context", "evaluate"]
 
 HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {
     **correctness.HANDLERS,
+    **crosstalk.HANDLERS,
     **comparisons.HANDLERS,
     **limits.HANDLERS,
     **capacity.HANDLERS,

@@ -1,3 +1,4 @@
+# size: one concept, the rules file: a pydantic model per rule kind and its settings
 """Acceptance rules as data (spec §14): the YAML file `calculet-load analyze` evaluates.
 
 The file is validated by these pydantic models (their JSON Schema: `rules_json_schema`);
@@ -34,6 +35,7 @@ __all__ = [
     "BoundaryPolicyRule",
     "CapacityRule",
     "CellSelector",
+    "CrosstalkRule",
     "DeviceLimitsRule",
     "ErrorRateRule",
     "GoldenRule",
@@ -166,11 +168,21 @@ class GoldenRule(_Rule):
     min_pass_rate: float = Field(default=1.0, ge=0, le=1)
 
 
+class CrosstalkRule(_Rule):
+    """§14.1 no cross-talk between requests: in the cells matching `cells` (accept's
+    crosstalk step), each greedy request sent under concurrency generated the token hash
+    of the same request sent alone in the run."""
+
+    kind: Literal["crosstalk"]
+    cells: list[str] = Field(default_factory=lambda: ["crosstalk:*"], min_length=1)
+
+
 class MaxCountRule(_Rule):
     """At most `max_count` sent records with the flag: `nonfinite` (NaN/Inf in a
-    response) or `token_count_mismatch` (client count ≠ server total)."""
+    response), `token_count_mismatch` (client count ≠ server total) or `error_output`
+    (an error response that carried generated output, §14.1)."""
 
-    kind: Literal["nonfinite", "token_count_mismatch"]
+    kind: Literal["nonfinite", "token_count_mismatch", "error_output"]
     max_count: int = Field(default=0, ge=0)
 
 
@@ -347,6 +359,7 @@ class DeviceLimitsRule(_Rule):
 
 Rule = Annotated[
     GoldenRule
+    | CrosstalkRule
     | MaxCountRule
     | ErrorRateRule
     | RegressionRule
@@ -365,6 +378,8 @@ RULE_CLASS: dict[str, str] = {
     "golden": "correctness",
     "nonfinite": "correctness",
     "token_count_mismatch": "correctness",
+    "crosstalk": "correctness",
+    "error_output": "correctness",
     "error_rate": "correctness",
     "regression": "performance",
     "optimization": "performance",

@@ -6,6 +6,7 @@ Steps, each logged to `events.jsonl` in the run folder as it starts and ends:
   1 release    manifest valid; calbin sha256 and versions match the target (exit 2)
   2 idle       sample the device until temperature/power/frequency are stable
   3 golden     the fixed golden set; any mismatch stops the run (exit 1)
+    crosstalk  its greedy cases under concurrency vs the same requests alone (§14.1)
   4 warmup     `warmup_requests` per new request shape, recorded as warmup
   5 matrix     the cells in a seeded random order, each with its repetitions, an idle
                gap between cells; `plan.json` holds the order, seeds and progress
@@ -39,6 +40,7 @@ from typing import Any
 
 import gevent
 
+from calculet_load.accept.crosstalk import run_crosstalk
 from calculet_load.accept.faultstep import run_fault_step
 from calculet_load.clock import clock_provenance
 from calculet_load.doors import AnalysisDoor
@@ -113,6 +115,7 @@ class Options:
     record_golden: bool = False
     resume: bool = False
     skip_report: bool = False
+    crosstalk_concurrency: int = 4  # spec §14.1 cross-talk step; 0: not run
     progress: bool = True
     workers: int = 0  # start this many local Locust worker processes
     master: bool = False  # wait for `expect_workers` remote Locust workers
@@ -462,6 +465,30 @@ class Pipeline:
         if failures:
             raise RunStop(EXIT_FAIL, f"{step} failed: {'; '.join(failures[:3])}")
 
+    # --------------------------------------------------------------- 3b cross-talk
+    def _crosstalk(self) -> StepResult:
+        """Spec §14.1: the golden set's greedy cases under concurrency against the same
+        requests sent alone (calculet_load.accept.crosstalk). A difference makes the run a
+        correctness failure (exit 1) and the run goes on: the analysis shows it."""
+        if self.golden is None:
+            return StepResult.not_available("no golden set given: nothing to compare")
+        n = self.o.crosstalk_concurrency
+        result = run_in_greenlet(
+            functools.partial(
+                run_crosstalk, self.session, self._prompt, self.golden.cases, n,
+                self.manifest.run_id,
+            )
+        )  # fmt: skip
+        d = result.detail
+        if d.get("differences"):
+            self.code = EXIT_FAIL
+            self.notes.append(f"crosstalk: {result.reason}")
+        self.say(
+            f"crosstalk at concurrency {n}: {d.get('different', 0)} of "
+            f"{d.get('compared', 0)} copies differ from their reference sent alone"
+        )
+        return result
+
     # --------------------------------------------------------------- 4 warmup
     def _warmup(self) -> StepResult:
         n = self.manifest.warmup_requests
@@ -724,6 +751,7 @@ BEFORE_MATRIX: tuple[Step[Pipeline], ...] = (
     Step("workers", Pipeline._start_fleet, logged=False),
     Step("idle", Pipeline._idle),
     Step("golden_before", lambda p: p._golden("golden_before"), logged=False),
+    Step("crosstalk", Pipeline._crosstalk, when=lambda p: p.o.crosstalk_concurrency >= 2),
     Step("warmup", Pipeline._warmup),
     Step("plan", Pipeline._make_plan, logged=False),
 )

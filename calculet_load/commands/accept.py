@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--skip-report", action="store_true", help="no HTML report")
+    p.add_argument(  # issue 19: spec §14.1 cross-talk under concurrency
+        "--crosstalk-concurrency", type=int, default=4, metavar="N",
+        help="after golden before, send the golden set's greedy cases N at a time and "
+        "compare each with the same request sent alone (0: skip; default 4)",
+    )  # fmt: skip
     p.add_argument(  # issue 8: the fault matrix step
         "--faults",
         help="fault scenarios (a file or folder, e.g. configs/faults): run the "
@@ -75,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 0 or args.expect_workers < 1:
         print("accept: --workers must be >= 0 and --expect-workers >= 1", file=sys.stderr)
         return EXIT_INVALID
+    if args.crosstalk_concurrency == 1 or args.crosstalk_concurrency < 0:
+        print("accept: --crosstalk-concurrency must be 0 (skip) or >= 2", file=sys.stderr)
+        return EXIT_INVALID
     if args.workers and args.master:
         print("accept: --workers (local) and --master (remote) exclude each other", file=sys.stderr)
         return EXIT_INVALID
@@ -102,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         min_repetitions=args.min_repetitions,
         resume=args.resume,
         skip_report=args.skip_report,
+        crosstalk_concurrency=args.crosstalk_concurrency,
         progress=not args.quiet,
         workers=args.workers,
         master=args.master,

@@ -35,6 +35,7 @@ from calculet_load.measure.protocols import (
     CountState,
     EventInfo,
     ProtocolError,
+    error_output_chars,
     raw_text,
     safe_text,
 )
@@ -247,6 +248,7 @@ class Outcome:
     nonfinite: bool = False
     invalid_value: str | None = None  # the offending raw value of a failure, bounded text
     count_anomaly: str | None = None  # why the token count is not to be believed as is
+    error_output_chars: int = 0  # generated text an error body or error event carried
 
     @property
     def ok(self) -> bool:
@@ -335,6 +337,7 @@ class _Run:
             self.t["t3"] = t
         if info.nonfinite:
             out.nonfinite = True
+        out.error_output_chars += info.error_output_chars
         if info.count_anomaly is not None and self.jump is None:
             self.jump = f"event {index}: {info.count_anomaly}"
         if info.text:
@@ -688,7 +691,7 @@ def _status_class(status: int) -> str:
 
 def _finish(run: _Run, status: int, t_end: int) -> None:
     if not 200 <= status < 300:
-        code, detail = _error_body(bytes(run.body))
+        code, detail, run.out.error_output_chars = _error_body(bytes(run.body))
         raise _Fail(_status_class(status), detail, code or str(status))
     if run.stream:
         run.parser.close()  # an unterminated event is discarded (WHATWG)
@@ -720,15 +723,18 @@ def _header(headers: Any, name: bytes) -> str | None:
     return None
 
 
-def _error_body(body: bytes) -> tuple[str | None, str]:
+def _error_body(body: bytes) -> tuple[str | None, str, int]:
+    """(code, detail, characters of generated text the error body carried)."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the stack
-        return None, f"non-JSON error body ({len(body)} bytes)"
+        return None, f"non-JSON error body ({len(body)} bytes)", 0
+    output = error_output_chars(obj)
     err = obj.get("error") if isinstance(obj, dict) else None
     if isinstance(err, dict):
-        return str(err.get("type") or err.get("code") or ""), str(err.get("message", ""))[:300]
-    return None, "error body without an error object"
+        code = str(err.get("type") or err.get("code") or "")
+        return code, str(err.get("message", ""))[:300], output
+    return None, "error body without an error object", output
 
 
 def run_in_greenlet(fn: Callable[[], T]) -> T:

@@ -70,6 +70,9 @@ class EventInfo:
     count_source: str | None = None  # whole responses: where the token count came from
     count_anomaly: str | None = None  # the count is not to be trusted as is: why
     cached_tokens: int | None = None  # prompt tokens served from the server's cache
+    # an error event or body that also carried generated text (spec §14.1: error
+    # responses carry no uninitialized output): how many characters
+    error_output_chars: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -159,6 +162,25 @@ def _cached_tokens(obj: dict[str, Any]) -> int | None:
     if cached is None and isinstance(obj.get("timings"), dict):
         cached = _int(obj["timings"], "cache_n")
     return cached
+
+
+def _texts(node: Any, keys: tuple[str, ...]) -> int:
+    """Characters of the strings under `keys` in `node` (a dict) or its `choices[]`
+    entries and their `delta`/`message`: what an error response should not carry."""
+    if not isinstance(node, dict):
+        return 0
+    n = sum(len(v) for k in keys if isinstance(v := node.get(k), str))
+    choices = node.get("choices")
+    for ch in choices if isinstance(choices, list) else []:
+        if isinstance(ch, dict):
+            n += _texts(ch, keys) + _texts(ch.get("delta"), keys) + _texts(ch.get("message"), keys)
+    return n
+
+
+def error_output_chars(obj: Any) -> int:
+    """Generated text (OpenAI `choices[].text`, `.delta.content`, `.message.content`;
+    llama.cpp `content`) in an error body or error event, in characters."""
+    return _texts(obj, ("content", "text"))
 
 
 def _error_of(obj: dict[str, Any]) -> tuple[str, str] | None:
@@ -270,6 +292,7 @@ class OpenAIAdapter(Adapter):
         err = _error_of(obj)
         if err is not None:
             info.error_type, info.error = err
+            info.error_output_chars = error_output_chars(obj)
             return info
         choices = obj.get("choices")
         if not isinstance(choices, list):
@@ -316,6 +339,7 @@ class OpenAIAdapter(Adapter):
         err = _error_of(obj)
         if err is not None:
             info.error_type, info.error = err
+            info.error_output_chars = error_output_chars(obj)
             return info
         choices = obj.get("choices")
         if choices is None:
@@ -388,6 +412,7 @@ class LlamaAdapter(Adapter):
         err = _error_of(obj)
         if err is not None:
             info.error_type, info.error = err
+            info.error_output_chars = error_output_chars(obj)
             return info
         content = obj.get("content")
         if content is not None and not isinstance(content, str):

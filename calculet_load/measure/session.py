@@ -223,6 +223,7 @@ def make_record(
             sampling=spec.sampling,
             temperature=spec.temperature,
             nonfinite_field=out.nonfinite,
+            error_output_chars=out.error_output_chars or None,
             invalid_value=out.invalid_value,
             count_anomaly=out.count_anomaly,
             prompt_count_source=spec.prompt.count_source,

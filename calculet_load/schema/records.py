@@ -146,6 +146,9 @@ class Ext:
     stale_retry: bool = False
     event_reads: int | None = None  # reads that delivered the events (few: coalesced)
     max_events_per_read: int | None = None  # the most events one read delivered
+    # spec §14.1 "error responses carry no uninitialized output": an error body or final
+    # error event carried generated text (its characters; null: none, or not an error)
+    error_output_chars: int | None = None
 
 
 # Columns added to `calculet-perf-request/v1` after its first release, each optional: a
@@ -159,6 +162,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.event_reads",
     "ext.max_events_per_read",
     "ext.stale_retry",
+    "ext.error_output_chars",
 )
 
 

@@ -35,6 +35,8 @@ def test_default_rules_are_valid_and_cover_section_14() -> None:
     kinds = {r.kind for r in rules.rules}
     assert kinds == {
         "golden",
+        "crosstalk",
+        "error_output",
         "nonfinite",
         "token_count_mismatch",
         "error_rate",

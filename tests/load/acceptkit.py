@@ -35,7 +35,9 @@ SCALE = "0.02"  # 50x faster than the simulated device
 FAST = ["--idle-window-s", "1", "--idle-timeout-s", "30", "--idle-gap-s", "0.2"]
 
 # The §8 order as the pipeline logs it (consecutive events of one step merged).
-ORDER_HEAD = ["run", "release", "idle", "golden_before", "warmup", "matrix", "cell", "matrix"]
+ORDER_HEAD = [
+    "run", "release", "idle", "golden_before", "crosstalk", "warmup", "matrix", "cell", "matrix",
+]  # fmt: skip
 ORDER_TAIL = ["golden_after", "resources", "traces", "analysis"]
 
 SMALL_MATRIX: list[dict[str, Any]] = [

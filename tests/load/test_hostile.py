@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import gevent
+import pyarrow.parquet as pq
 import pytest
 
 from calculet_load.measure.client import (
@@ -35,7 +36,10 @@ from calculet_load.measure.client import (
     execute,
     run_in_greenlet,
 )
+from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.sink import PartSink
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, drip, serve
 from tests.ports import free_port
 
@@ -605,6 +609,51 @@ def test_error_event(proto: str, body: bytes, code: str, message: str, tokens: i
     out = play([http(body + STOP3, "chunked")], proto)
     failed(out, "server_error_event", tokens)
     assert (out.error_code, out.error_detail) == (code, message)
+
+
+@pytest.mark.parametrize(
+    ("proto", "script", "chars"),
+    [
+        pytest.param(  # the final error event carries the text of tokens never sent
+            "openai-chat",
+            [http(C1 + b'data: {"error":{"message":"ccu","type":"server_error"},'
+                  b'"choices":[{"delta":{"content":"leaked"}}]}\n\n', "chunked")],
+            6, id="chat-error-event-with-content",
+        ),
+        pytest.param(
+            "llama",
+            [http(L1 + b'data: {"error":{"message":"slot lost"},"content":"abc"}\n\n', "chunked")],
+            3, id="llama-error-event-with-content",
+        ),
+        pytest.param(  # an HTTP error body with a completion in it
+            "openai-completions",
+            [http(b'{"error":{"message":"nan","type":"numeric"},"choices":[{"text":"12345"}]}',
+                  status=b"500 Internal", ctype=b"application/json"), CLOSE],
+            5, id="500-body-with-text",
+        ),
+        pytest.param(
+            "openai-chat",
+            [http(b'{"error":{"message":"busy","type":"overloaded"}}', status=b"503 Busy",
+                  ctype=b"application/json"), CLOSE],
+            0, id="503-clean-body",
+        ),
+        pytest.param(
+            "llama",
+            [http(L1 + b'data: {"error":{"code":500,"message":"slot lost"}}\n\n', "chunked")],
+            0, id="llama-clean-error-event",
+        ),
+    ],
+)  # fmt: skip
+def test_an_error_response_that_carries_output_is_recorded(
+    proto: str, script: list[Step], chars: int
+) -> None:
+    """Spec §14.1: error responses carry no uninitialized output. The text an error event
+    or body carries beside its error is counted (`ext.error_output_chars`; the
+    `error_output` rule fails on it); the tokens streamed before a final error event are
+    the request's partial output, not counted."""
+    out = play(script, proto)
+    assert out.error_class is not None
+    assert out.error_output_chars == chars
 
 
 def test_lone_surrogate_escape_is_data_not_a_crash() -> None:
@@ -1196,3 +1245,23 @@ def test_a_lone_surrogate_in_an_error_message_still_makes_a_writable_record() ->
     failed(out, "server_error_event", 0)
     assert out.error_detail == "bad \\ud800 slot" and out.error_code == "x\\udfff"
     (out.error_detail + out.error_code).encode("utf-8")  # encodable: Arrow takes it
+
+
+def test_the_record_and_its_table_carry_the_error_output(tmp_path: Path) -> None:
+    """The counted characters reach the record (`ext.error_output_chars`) and its Parquet
+    part; a clean error leaves the column null."""
+    leaky = http(b'{"error":{"message":"x"},"choices":[{"message":{"content":"hello"}}]}',
+                 status=b"500 Internal", ctype=b"application/json")  # fmt: skip
+    clean = http(b'{"error":{"message":"x"}}', status=b"500 Internal", ctype=b"application/json")
+    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
+    with serve([leaky, CLOSE], [clean, CLOSE]) as server:
+        sink = PartSink(str(tmp_path), "w1")
+        session = Session(RunContext("run", "w1"), server.url, "openai-chat", sink=sink)
+        first, _ = run_in_greenlet(lambda: session.send(spec))
+        second, _ = run_in_greenlet(lambda: session.send(spec))
+        session.close()
+        sink.close()
+    assert (first.ext.error_class, first.ext.error_output_chars) == ("http_5xx", 5)
+    assert (second.ext.error_class, second.ext.error_output_chars) == ("http_5xx", None)
+    table = pq.read_table(next(tmp_path.rglob("part-*.parquet")))
+    assert table.column("ext.error_output_chars").to_pylist() == [5, None]
