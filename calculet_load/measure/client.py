@@ -15,12 +15,16 @@ sends can crash the caller.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import platform
 import select
 import socket
 import ssl
+import struct
+import sys
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
 
@@ -82,6 +86,7 @@ ERROR_CODE_CHARS = 100
 FINISH_REASON_CHARS = 64
 
 T = TypeVar("T")
+_TIMESPEC = struct.Struct("@ll")
 CancelAt = Literal["before_headers", "first_token"] | int | None
 
 
@@ -162,6 +167,8 @@ class ConnectionPool:
             sock.settimeout(connect_timeout)
             sock.connect(sockaddr)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.endpoint.tls is None:
+                _ask_kernel_stamps(sock)
             if self.endpoint.tls is not None:
                 # the handshake (and verification) within the connect timeout
                 sock = self.endpoint.tls.wrap_socket(sock, server_hostname=self.endpoint.host)
@@ -248,6 +255,10 @@ class Outcome:
     nonfinite: bool = False
     invalid_value: str | None = None  # the offending raw value of a failure, bounded text
     count_anomaly: str | None = None  # why the token count is not to be believed as is
+    # the stamps' source: "kernel" (the kernel's receive time of the read's last bytes)
+    # or "read" (when the read returned: TLS, or a kernel that gives no receive time)
+    stamp_source: str | None = None
+    read_wait_ns: int | None = None  # kernel stamps: the longest a read's bytes waited
     error_output_chars: int = 0  # generated text an error body or error event carried
 
     @property
@@ -566,6 +577,8 @@ def _read(
     t = 0
     first = b""  # the response's first bytes (up to 5): is it HTTP at all?
     eof = False
+    # the kernel's receive times, on a plain socket read against the system clock
+    stamps = _CMSG_SPACE > 0 and type(clock) is SystemClock and not isinstance(sock, ssl.SSLSocket)
     while True:
         try:
             event = conn.next_event()
@@ -593,22 +606,40 @@ def _read(
             if remaining < limit:
                 limit, kind = remaining, "total_timeout"
             sock.settimeout(max(limit, 0.001))
+            kernel = None
+            floor = max(t, ns["t1"] or ns["t0"] or 0)  # no stamp before the last one
             try:
-                data = sock.recv(65536)
+                if stamps:
+                    data, anc, _, _ = sock.recvmsg(65536, _CMSG_SPACE)
+                    t = clock.mono_ns()  # stamp at the byte, before any parsing
+                    kernel = _kernel_ns(anc, t, clock.wall_ns(), floor)
+                else:
+                    data = sock.recv(65536)
+                    t = clock.mono_ns()  # stamp at the byte, before any parsing
             except (TimeoutError, gsocket.timeout):
                 raise _Fail(kind, f"no bytes for {limit:.3f} s") from None
             except OSError as exc:
                 out.unanswered = not first
                 raise _Fail("connection_reset", str(exc)) from None
-            t = clock.mono_ns()  # stamp at the byte, before any parsing
             closed = False
             if data and isinstance(sock, ssl.SSLSocket):
                 data, closed = _tls_drain(sock, data)
-            # Let every other stream whose bytes are already here take its stamp before
-            # this one spends time parsing: without this, when N streams' tokens land
-            # together the last one is stamped after N-1 parses (measured in
-            # benchmarks/timing_accuracy.py, the '@b16' level).
-            gevent.sleep(0)
+            if kernel is not None:
+                # The kernel's receive time: what the bytes waited for this read (the
+                # loop's lag, other streams' parsing) is not in the figures; it is kept
+                # as the request's read wait, the client's self-check.
+                wait = t - kernel
+                if out.read_wait_ns is None or wait > out.read_wait_ns:
+                    out.read_wait_ns = wait
+                t = kernel
+                out.stamp_source = "kernel"
+            elif data:
+                out.stamp_source = "read"
+                # Let every other stream whose bytes are already here take its stamp
+                # before this one spends time parsing: without this, when N streams'
+                # tokens land together the last one is stamped after N-1 parses
+                # (measured in benchmarks/timing_accuracy.py, the '@b16' level).
+                gevent.sleep(0)
             if len(first) < 5:
                 first += data[: 5 - len(first)]
             eof = not data or closed
@@ -649,6 +680,54 @@ def _read(
             return conn.our_state is h11.DONE and conn.their_state is h11.DONE
         elif isinstance(event, h11.ConnectionClosed):
             raise _Fail("connection_reset", "connection closed before the response ended")
+
+
+# Linux: SO_TIMESTAMPNS asks the kernel for each read's receive time (CLOCK_REALTIME, of
+# the last segment the read returned), delivered as an SCM_TIMESTAMPNS control message
+# holding a struct timespec (two C longs). Python's socket module does not name it: 35 on
+# the architectures of asm-generic/socket.h (others use other numbers: read stamps there).
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", None)
+if _SO_TIMESTAMPNS is None and sys.platform == "linux" and platform.machine() in (
+    "x86_64", "aarch64", "arm64", "i686", "i386", "armv7l", "armv8l", "riscv64",
+    "ppc64le", "ppc64", "s390x", "loongarch64",
+):  # fmt: skip
+    _SO_TIMESTAMPNS = 35
+_CMSG_SPACE = (
+    socket.CMSG_SPACE(_TIMESPEC.size)
+    if _SO_TIMESTAMPNS is not None and hasattr(socket, "CMSG_SPACE")
+    else 0
+)
+# A kernel stamp this much before the last stamp (or after the read) is not believed: the
+# wall clock stepped between the arrival and the read; the read's own time is taken.
+_KERNEL_SLACK_NS = 5_000_000
+
+
+def _ask_kernel_stamps(sock: socket.socket) -> None:
+    """Ask for the kernel's receive time with every read of this plain socket (where the
+    kernel cannot, reads carry none and their own time is the stamp)."""
+    if _SO_TIMESTAMPNS is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+
+
+def _kernel_ns(
+    anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, floor: int
+) -> int | None:
+    """The kernel's receive time of a read's bytes on the monotonic clock, or None.
+
+    The kernel stamps CLOCK_REALTIME; `wall_ns` was read right after `read_ns`, so
+    `wall_ns - read_ns` moves it onto the monotonic clock (exact unless the wall clock
+    stepped in between: then the stamp falls outside [floor, read_ns] and is not used).
+    A stamp a little before `floor` (the response's bytes can reach the kernel a few µs
+    before the client's own t1 stamp after its write returned) is taken as `floor`."""
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack_from(data)
+            k = int(sec) * 1_000_000_000 + int(nsec) - (wall_ns - read_ns)
+            if floor - _KERNEL_SLACK_NS <= k <= read_ns:
+                return max(k, floor)
+            return None
+    return None
 
 
 def _tls_drain(sock: ssl.SSLSocket, data: bytes) -> tuple[bytes, bool]:

@@ -230,6 +230,8 @@ def make_record(
             prompt_unique_from=unique_from,
             cached_tokens=out.cached_tokens,
             stale_retry=out.stale_retry,
+            stamp_source=out.stamp_source,
+            read_wait_ms=out.read_wait_ns / 1e6 if out.read_wait_ns is not None else None,
             event_reads=out.event_reads if out.events else None,
             max_events_per_read=out.max_events_per_read if out.events else None,
         ),

@@ -149,6 +149,12 @@ class Ext:
     # spec §14.1 "error responses carry no uninitialized output": an error body or final
     # error event carried generated text (its characters; null: none, or not an error)
     error_output_chars: int | None = None
+    # where the client's stamps came from: "kernel" (the kernel's receive time of each
+    # read's last bytes) or "read" (when the read returned); null: no bytes came
+    stamp_source: str | None = None
+    # kernel stamps: the longest any read's bytes waited in the kernel for the client
+    # (its loop busy): the client's own check that it kept up (null: read stamps)
+    read_wait_ms: float | None = None
 
 
 # Columns added to `calculet-perf-request/v1` after its first release, each optional: a
@@ -163,6 +169,8 @@ ADDED_REQUEST_COLUMNS = (
     "ext.max_events_per_read",
     "ext.stale_retry",
     "ext.error_output_chars",
+    "ext.stamp_source",
+    "ext.read_wait_ms",
 )
 
 
