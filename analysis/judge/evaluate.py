@@ -17,6 +17,7 @@ from analysis.judge import (
     crosstalk,
     limits,
     resources,
+    stability,
 )
 from analysis.judge.evidence import Context, Evidence, not_evaluated
 from analysis.judge.infra import check_infrastructure
@@ -35,6 +36,7 @@ HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {
     **batch.HANDLERS,
     **resources.HANDLERS,
     **boundary.HANDLERS,
+    **stability.HANDLERS,
 }
 assert set(HANDLERS) == set(RULE_CLASS), "every rule kind has exactly one handler"
 
@@ -58,6 +60,7 @@ NEEDS = {
     "device_limits": ("device_telemetry", "device telemetry"),
     "leaks": ("admin_api", "admin API (server resources)"),
     "batch": ("traces", "traces (decode steps)"),
+    "device_faults": ("traces", "traces (server events)"),
 }
 
 

@@ -33,9 +33,11 @@ __all__ = [
     "AnalysisSettings",
     "BatchRule",
     "BoundaryPolicyRule",
+    "BurstRecoveryRule",
     "CapacityRule",
     "CellSelector",
     "CrosstalkRule",
+    "DeviceFaultsRule",
     "DeviceLimitsRule",
     "ErrorRateRule",
     "GoldenRule",
@@ -357,6 +359,44 @@ class DeviceLimitsRule(_Rule):
     max_power_w: float | None = Field(default=None, gt=0)
 
 
+class BurstRecoveryRule(_Rule):
+    """§13 candidate/release: after each burst (records sharing an `ext.burst_id`) the
+    service recovers within `max_recovery_s` server seconds: every burst request has
+    ended and the background requests (not of a burst) that start after it have
+    `metric` back at most (1 + `tolerance`) × its median over the `baseline_s` before
+    the burst, `settle_requests` of them in a row (analysis.judge.stability)."""
+
+    kind: Literal["burst_recovery"]
+    max_recovery_s: float = Field(gt=0)
+    metric: str = "ttft_ms"
+    baseline_s: float = Field(default=60.0, gt=0)
+    tolerance: float = Field(default=0.5, ge=0)
+    settle_requests: int = Field(default=3, ge=1)
+    min_baseline_requests: int = Field(default=3, ge=1)
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        if _known_metric(v) == "itl_ms":
+            raise ValueError("itl_ms is per token: use a per-request metric (ttft_ms, e2e_ms)")
+        return v
+
+
+class DeviceFaultsRule(_Rule):
+    """§13 release: zero unrecovered device faults. A device fault (runtime_error,
+    reset, a state change to recovering/resetting/failed in server_events.jsonl) is
+    recovered when the service is ready again (a state change to ready, or a request
+    finished after a fault that changed no state) within `max_recovery_s` server
+    seconds; at most `max_unrecovered` may not be. With `exclude_injected`, faults while
+    a fault was armed (fault_armed .. fault_cleared: the fault matrix's) are left to
+    the fault matrix's verdicts (analysis.judge.stability)."""
+
+    kind: Literal["device_faults"]
+    max_unrecovered: int = Field(default=0, ge=0)
+    max_recovery_s: float = Field(default=300.0, gt=0)
+    exclude_injected: bool = True
+
+
 Rule = Annotated[
     GoldenRule
     | CrosstalkRule
@@ -370,7 +410,9 @@ Rule = Annotated[
     | DeviceLimitsRule
     | BatchRule
     | LeakRule
-    | BoundaryPolicyRule,
+    | BoundaryPolicyRule
+    | BurstRecoveryRule
+    | DeviceFaultsRule,
     Field(discriminator="kind"),
 ]
 
@@ -390,6 +432,8 @@ RULE_CLASS: dict[str, str] = {
     "batch": "performance",
     "leaks": "correctness",
     "boundary_policy": "correctness",
+    "burst_recovery": "correctness",
+    "device_faults": "correctness",
 }
 
 BOUNDARY_CELLS = ("boundary*",)
@@ -422,6 +466,7 @@ class InfrastructureRules(_Strict):
 
 class RulesFile(_Strict):
     schema_: str = Field(alias="schema")
+    extends: str | None = None  # a rules file beside this one that this one overrides
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
     infrastructure: InfrastructureRules = Field(default_factory=InfrastructureRules)
     rules: list[Rule] = Field(default_factory=list)
@@ -488,19 +533,56 @@ def parse_rules(data: Any, source: str = "rules") -> RulesFile:
         raise RulesError(f"{source}: {_where(loc, data)}: {msg}") from None
 
 
-def load_rules(path: str | Path | None = None) -> tuple[RulesFile, str]:
-    """The rules of `path` (default: DEFAULT_RULES) and the file's text."""
-    p = Path(path) if path is not None else DEFAULT_RULES
+def _read_yaml(p: Path) -> tuple[Any, str]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise RulesError(f"{p}: cannot read the rules file: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text), text
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise RulesError(f"{p}:{where} invalid YAML") from None
+
+
+def _extended(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """`child` over `base`: settings sections key by key; a child rule replaces the base
+    rule of its id in place, and a rule of a new id is appended."""
+    out = {**base, **child}
+    for section in ("analysis", "infrastructure", "idle"):
+        if isinstance(base.get(section), dict) and isinstance(child.get(section), dict):
+            out[section] = {**base[section], **child[section]}
+    rules = list(base.get("rules") or [])
+    ids = [r.get("id") if isinstance(r, dict) else None for r in rules]
+    for r in child.get("rules") or []:
+        rid = r.get("id") if isinstance(r, dict) else None
+        if rid is not None and rid in ids:
+            rules[ids.index(rid)] = r
+        else:
+            rules.append(r)
+    out["rules"] = rules
+    return out
+
+
+def load_rules(path: str | Path | None = None) -> tuple[RulesFile, str]:
+    """The rules of `path` (default: DEFAULT_RULES) and the file's text. A file with
+    `extends: NAME` is read over the rules file NAME (beside it; one level), and the text
+    returned (what verdict.json hashes) is the base's, then the file's."""
+    p = Path(path) if path is not None else DEFAULT_RULES
+    data, text = _read_yaml(p)
+    base = data.get("extends") if isinstance(data, dict) else None
+    if base is not None:
+        if not isinstance(base, str) or not base:
+            raise RulesError(f"{p}: extends: expected the name of a rules file")
+        bp = p.parent / base
+        base_data, base_text = _read_yaml(bp)
+        if not isinstance(base_data, dict):
+            raise RulesError(f"{bp}: top level must be a mapping")
+        if base_data.get("extends") is not None:
+            raise RulesError(f"{p}: extends: {base} extends another file (one level only)")
+        data = _extended(base_data, data)
+        text = f"{base_text}\n# --- {p.name}, extending {base} ---\n{text}"
     return parse_rules(data, str(p)), text
 
 

@@ -20,6 +20,13 @@ from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.faults.maintenance import parse_rows
 from calculet_load.soak.stage import PassConditions
 
+# Spec §13's conditions that are acceptance rules (configs/acceptance/soak-*.yaml): each
+# is a condition of the stage when the stage's rules have a rule of that kind
+STAGE_RULES: dict[str, tuple[str, ...]] = {
+    "SLA held": ("slo",),
+    "recovery after each burst": ("burst_recovery",),
+    "zero unrecovered device faults": ("device_faults",),
+}
 MIN_CLIENT_SAMPLES = 20  # client RSS samples needed to judge its slope
 # ... and the real seconds they must span after the warmup: a process' own warmup
 # (imports, connection pool, Parquet writer, allocator arenas) takes seconds of real time
@@ -116,7 +123,11 @@ def judge(r: StageResult) -> Judgement:
              f"RSS slope <= {gate:g} MiB/h"
              + (" in each client process (not joined across a restart)" if gaps else ""),
              observed)  # fmt: skip
-    analysis_code, leaks = _analysis(r.analysis, r.run_dir, r.rules, notes)
+    analysis_code, leaks, verdicts = _analysis(r.analysis, r.run_dir, r.rules, notes)
+    for name, kinds in STAGE_RULES.items():
+        judged = [v for v in verdicts if v.get("kind") in kinds]
+        if judged:
+            cond(name, "target", *_rule_condition(judged))
     if p.no_leak:
         cond(
             "no leak",
@@ -206,21 +217,35 @@ def _leak_condition(
     return ok, expected, observed
 
 
+def _rule_condition(verdicts: list[dict[str, Any]]) -> tuple[bool | None, str, dict[str, Any]]:
+    """A stage condition from the analysis' verdicts of its rules: failed if one failed,
+    passed if all passed, else not judged (inconclusive, or not configured)."""
+    statuses = {v["status"] for v in verdicts}
+    ok = False if "fail" in statuses else True if statuses == {"pass"} else None
+    expected = "; ".join(f"{v['rule']}: {v['threshold']}" for v in verdicts)
+    observed = {
+        "rules": [{k: v.get(k) for k in ("rule", "status", "observed", "n", "reason")}
+                  for v in verdicts]
+    }  # fmt: skip
+    return ok, expected, observed
+
+
 def _analysis(
     door: AnalysisDoor | None, run_dir: Path, rules: str | None, notes: list[str]
-) -> tuple[int | None, dict[str, Any] | None]:
-    """`calculet-load analyze` on the run: its exit code and its verdict's leak section."""
+) -> tuple[int | None, dict[str, Any] | None, list[dict[str, Any]]]:
+    """`calculet-load analyze` on the run: its exit code, its verdict's leak section and
+    its verdicts."""
     result = analyze(door, run_dir, rules=rules, quiet=True)
     if result.outcome is StepOutcome.NOT_AVAILABLE:
         notes.append("analysis: not given to this stage (no analysis door)")
-        return None, None
+        return None, None, []
     code = int(result.detail["code"])
     verdict = run_dir / "verdict.json"
-    leaks = None
+    leaks, verdicts = None, []
     if verdict.exists():
         doc = json.loads(verdict.read_text())
-        leaks = doc.get("leaks")
-    return code, leaks
+        leaks, verdicts = doc.get("leaks"), list(doc.get("verdicts") or [])
+    return code, leaks, verdicts
 
 
 def disk_counts(run_dir: Path, workers: set[str] | None = None) -> dict[str, Any]:

@@ -74,7 +74,9 @@ class SoakStage(_M):
     bursts: Bursts | None = None
     sampling: Sampling = Field(default_factory=Sampling)
     pass_: PassConditions = Field(default_factory=PassConditions, alias="pass")
-    rules: str | None = None  # acceptance rules for the analysis (default: the default)
+    # acceptance rules for the analysis (default: the default); a relative path is the
+    # stage file's neighbour (configs/soak/candidate.yaml: ../acceptance/soak-candidate.yaml)
+    rules: str | None = None
 
 
 class StageError(ValueError):
@@ -92,7 +94,10 @@ def load_stage(name_or_path: str) -> SoakStage:
         raise StageError(f"stage {name_or_path!r}: no such file; known stages {known}") from None
     except yaml.YAMLError:
         raise StageError(f"{p}: invalid YAML") from None
-    return validate(SoakStage, data, str(p), StageError)
+    stage = validate(SoakStage, data, str(p), StageError)
+    if stage.rules is not None and not Path(stage.rules).is_absolute():
+        stage = stage.model_copy(update={"rules": str((p.parent / stage.rules).resolve())})
+    return stage
 
 
 def stage_json_schema() -> dict[str, Any]:
