@@ -16,6 +16,7 @@ Without the data a check needs (a probe has no index, no self-watch) it is
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,14 @@ def _fraction(
     return _v(rid, Status.PASS, share, limit, n, seen)
 
 
+def _breaks_seen(breaks: tuple[dict[str, Any], ...]) -> str:
+    found = [b for b in breaks if b.get("source") == "detected"]
+    if not found:
+        return "none detected"
+    first = found[0]["evidence"][0] if found[0]["evidence"] else found[0]["reason"]
+    return f"{len(found)} detected, first: {first}"
+
+
 def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:
     if limit is None:
         return _not_evaluated(rid, "disabled in the rules file")
@@ -171,14 +180,19 @@ def check_infrastructure(
             "fix the client's clock stamping (see the records' client_ns) and rerun",
             None,
         ),
-        _fraction(
-            f"{prefix}network_break",
-            q.network_break_records,
-            q.sent,
-            rules.max_network_break_fraction,
-            "sent records overlap a declared network break",
-            "the network failed during the run; rerun once it is stable",
-            None,
+        dataclasses.replace(
+            _fraction(
+                f"{prefix}network_break",
+                q.network_break_records,
+                q.sent,
+                rules.max_network_break_fraction,
+                "sent records overlap a network break (declared, or detected: "
+                + _breaks_seen(q.network_breaks)
+                + ")",
+                "the network failed during the run; rerun once it is stable",
+                None,
+            ),
+            details=q.network_breaks,
         ),
         _send_lag(ev, rules.max_send_lag_p99_ms, f"{prefix}send_lag"),
     ]

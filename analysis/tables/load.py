@@ -29,7 +29,7 @@ import bisect
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -113,12 +113,16 @@ _TRACE_SCHEMAS = {
 
 
 class NetworkBreak(BaseModel):
-    """A declared network break: requests overlapping it are excluded (spec §9)."""
+    """A network break: requests overlapping it are excluded (spec §9). Declared in
+    network_breaks.json, or detected from the run's own evidence
+    (analysis.tables.netbreaks: `source` "detected", what was seen in `evidence`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     start_wall_ns: int
     end_wall_ns: int
     reason: str = Field(min_length=1)
+    source: Literal["declared", "detected"] = "declared"
+    evidence: tuple[str, ...] = ()
 
 
 class _Breaks(BaseModel):

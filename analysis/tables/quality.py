@@ -7,7 +7,9 @@ for one of these reasons, each counted:
     cut_at_stop       ext.cancelled_at == "run_stop": cut because the run ended
     warmup            quality.warmup: a warmup request (§8.4), not measured
     clock_incomplete  a success whose client stamps are incomplete (not quality.clock_complete)
-    network_break     the request overlaps a declared network break (network_breaks.json)
+    network_break     the request overlaps a network break: declared (network_breaks.json)
+                      or detected (failed RTT probe rounds, bursts of connection
+                      failures: analysis.tables.netbreaks)
     client_saturated  the client's self-watch saw loop lag > SATURATED_LAG_MS or CPU >
                       SATURATED_CPU_PERCENT in a sample covering the request
     interrupted_attempt  a record of a cell attempt that plan.json lists under "excluded"
@@ -45,7 +47,8 @@ import pyarrow.compute as pc
 
 from analysis.errors import ArtifactError
 from analysis.tables.join import BoolArray, IntArray
-from analysis.tables.load import RunData
+from analysis.tables.load import NetworkBreak, RunData
+from analysis.tables.netbreaks import detect_breaks
 from calculet_load.schema.selfwatch import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
 
 __all__ = [
@@ -108,6 +111,8 @@ class QualityReport:
     network_break_records: int
     thresholds: dict[str, float] = field(default_factory=dict)
     selfwatch_warmup_samples: int = 0  # of selfwatch_samples: start-up, not judged
+    # every break, declared and detected, with its evidence and the records it holds
+    network_breaks: tuple[dict[str, object], ...] = ()
 
 
 def _bools(table: pa.Table, name: str) -> BoolArray:
@@ -184,10 +189,11 @@ def _warmup_samples(run: RunData) -> int:
     return int(pc.sum(pc.fill_null(sw.column("warmup"), False).cast(pa.int64())).as_py() or 0)
 
 
-def _network_breaks(run: RunData) -> BoolArray:
+def _network_breaks(run: RunData, breaks: list[NetworkBreak], counts: list[int]) -> BoolArray:
+    """Records overlapping any of `breaks`; `counts` gets each break's own count."""
     d = run.requests
     hit = np.zeros(d.num_rows, dtype=bool)
-    if not run.network_breaks:
+    if not breaks:
         return hit
     anchor, ok = _ints(d, "ext.wall_anchor_ns")
     t0, end, t_ok = _span(d)
@@ -197,8 +203,10 @@ def _network_breaks(run: RunData) -> BoolArray:
         offset[workers == w] = off
     start = anchor - offset
     stop = start + np.where(t_ok, end - t0, 0)
-    for b in run.network_breaks:
-        hit |= ok & (start <= b.end_wall_ns) & (stop >= b.start_wall_ns)
+    for b in breaks:
+        inside = ok & (start <= b.end_wall_ns) & (stop >= b.start_wall_ns)
+        counts.append(int(np.count_nonzero(inside)))
+        hit |= inside
     return hit
 
 
@@ -246,12 +254,14 @@ def apply_quality(
     success &= ~dropped
     saturated, without = _saturation(run, lag_ms, cpu_percent)
     saturated &= ~dropped
+    breaks = [*run.network_breaks, *detect_breaks(run)]
+    in_break: list[int] = []
     reasons: dict[Reason, BoolArray] = {
         Reason.DROPPED: dropped,
         Reason.CUT_AT_STOP: cut & ~dropped,
         Reason.WARMUP: _bools(d, "quality.warmup") & ~dropped,
         Reason.CLOCK_INCOMPLETE: success & ~_bools(d, "quality.clock_complete"),
-        Reason.NETWORK_BREAK: _network_breaks(run) & ~dropped,
+        Reason.NETWORK_BREAK: _network_breaks(run, breaks, in_break) & ~dropped,
         Reason.CLIENT_SATURATED: saturated,
         Reason.INTERRUPTED_ATTEMPT: _interrupted(run) & ~dropped,
     }
@@ -295,5 +305,9 @@ def apply_quality(
         network_break_records=int(np.count_nonzero(reasons[Reason.NETWORK_BREAK])),
         thresholds={"saturated_lag_ms": lag_ms, "saturated_cpu_percent": cpu_percent},
         selfwatch_warmup_samples=_warmup_samples(run),
+        network_breaks=tuple(
+            {**b.model_dump(), "evidence": list(b.evidence), "records": n}
+            for b, n in zip(breaks, in_break, strict=True)
+        ),
     )
     return table, report

@@ -106,8 +106,9 @@ def measure_round(
 ) -> dict[str, Any]:
     """`samples` connect and /health round trips to `url`'s host, one after another.
 
-    Returns {"wall_ns", "samples", "errors", "last_error", "connect": summary,
-    "health": summary}; a failed sample counts in `errors` and adds no round trip.
+    Returns {"wall_ns", "end_wall_ns", "samples", "errors", "last_error", "connect":
+    summary, "health": summary}; a failed sample counts in `errors` and adds no round
+    trip (analysis.tables.netbreaks reads rounds that failed as a network break).
     """
     if not 0 <= samples <= MAX_SAMPLES:
         raise ValueError(f"samples must be in 0..{MAX_SAMPLES}, got {samples}")
@@ -132,6 +133,7 @@ def measure_round(
             health.append(h)
     return {
         "wall_ns": wall,
+        "end_wall_ns": clock.wall_ns(),  # a round of failed samples spans a network break
         "samples": samples,
         "errors": errors,
         "last_error": last_error,

@@ -174,6 +174,8 @@ PIPELINE_API = {
         "read_run_files",
     ],
     "tables.quality": ["QUALITY_COLUMNS", "Partition", "QualityReport", "Reason", "apply_quality"],
+    "tables.netbreaks": ["BURST_GAP_NS", "BURST_MIN", "CONNECT_CLASSES", "detect_breaks"],
+    "judge.crosstalk": ["HANDLERS"],
     "judge.resources": [
         "HANDLERS",
         "LEAK_SERIES",
@@ -194,6 +196,7 @@ PIPELINE_API = {
         "BurstRecoveryRule",
         "CapacityRule",
         "CellSelector",
+        "CrosstalkRule",
         "CrosstalkRule",
         "DeviceFaultsRule",
         "DeviceLimitsRule",
