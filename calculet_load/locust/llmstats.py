@@ -84,6 +84,15 @@ def itl_gaps(events: Iterable[TokenEvent]) -> Iterator[tuple[float, int]]:
         prev = ev.arrival_ns
 
 
+def itl_histogram(events: Iterable[TokenEvent]) -> LogHistogram:
+    """A request's ITL values (itl_gaps) in one histogram: built once, merged into every
+    entry it counts in (a request counts in four: cell and window, twice over)."""
+    h = LogHistogram()
+    for ms, n in itl_gaps(events):
+        h.add(ms, n)
+    return h
+
+
 @dataclasses.dataclass
 class EntryStats:
     """The counts and histograms of one cell (or of all: Aggregated)."""
@@ -167,13 +176,20 @@ class LLMTable:
         slot = self._slot()
         return self.total.setdefault(name, EntryStats()), slot.setdefault(name, EntryStats())
 
-    def observe(self, record: RequestRecord, token_events: Iterable[TokenEvent] = ()) -> None:
+    def observe(
+        self,
+        record: RequestRecord,
+        token_events: Iterable[TokenEvent] = (),
+        *,
+        itl: LogHistogram | None = None,
+    ) -> None:
         """Count one finished (or dropped) request; the caller leaves out those cut by
-        the run's stop."""
+        the run's stop. `itl`: its token events' itl_histogram, when the caller has it."""
         e = record.ext
         d = record.durations_ms
         ok = e.error_class is None
-        itl = list(itl_gaps(token_events)) if ok else []
+        if ok and itl is None:
+            itl = itl_histogram(token_events)
         for s in self._entries(cell_name(record)):
             c = s.counts
             if e.dropped:
@@ -196,8 +212,8 @@ class LLMTable:
             ):
                 if value is not None:
                     s.hist[metric].add(value)
-            for ms, n in itl:
-                s.hist["itl_ms"].add(ms, n)
+            if itl is not None and itl.count:
+                s.hist["itl_ms"].merge(itl)
         if not ok and not e.dropped and e.error_class is not None:
             self.errors[e.error_class] += 1
 

@@ -26,10 +26,9 @@ import gevent.pool
 from locust.env import Environment
 
 from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
-from calculet_load.events import events as cl_events
 from calculet_load.locust import clocksync as locust_clocksync
 from calculet_load.locust.livestats import LiveStats
-from calculet_load.locust.llmstats import LLMTable, cell_name
+from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
 from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch, sleep_until
@@ -175,8 +174,9 @@ class Worker:
         self.session.hooks.append(self._note_burst_send)
         self.rtt_rounds: list[dict[str, Any]] = []
         self._rtt = gevent.spawn(self._rtt_loop, host.rstrip("/"))
+        # counted per finished request (a listener on every token event would make the
+        # session fire an event per token: measured, 2 % of a worker's CPU)
         self.token_events_seen = 0
-        cl_events.token_event.add_listener(self._on_token_event)
         self.watch = SelfWatch(
             self.sink,
             self.name,
@@ -256,10 +256,12 @@ class Worker:
         The token-level figures go to the LLM table (calculet_load.locust.llmstats)."""
         for s in (self.stats, self.wire_pending):
             _count(s, record, self.opts.model)
+        self.token_events_seen += record.ext.token_events or 0
         if out.cancelled_at == "run_stop":
             return  # cut by the end of the run: in the records, not a server failure
+        itl = itl_histogram(out.token_events) if out.ok else None
         for t in (self.llm, self.llm_pending):
-            t.observe(record, out.token_events)
+            t.observe(record, itl=itl)
         d = record.durations_ms
         exc = (
             None
@@ -310,9 +312,6 @@ class Worker:
     def target_rtt(self) -> dict[str, Any]:
         """The rounds measured, and the first round's figures as the run's "before"."""
         return rounds_record(self.rtt_rounds)
-
-    def _on_token_event(self, **_kw: Any) -> None:
-        self.token_events_seen += 1
 
     def _on_selfwatch(self, row: Any) -> None:
         for s in (self.stats, self.wire_pending):
@@ -439,7 +438,6 @@ class Worker:
         self.abandoned = len(self.pool)
         self.pool.kill(block=True, timeout=5)
         self.watch.stop()
-        cl_events.token_event.remove_listener(self._on_token_event)
         self.sink.close()
         self.session.close()
 
