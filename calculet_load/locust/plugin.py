@@ -1,3 +1,4 @@
+# size: the wiring of every Locust event and option in one place (DESIGN: locust layer)
 """Locust integration: users, open-loop dispatch, bursts, live stats, the web UI tab.
 
 Import this module from a locustfile (`locustfiles/calculet.py` does); importing it
@@ -57,6 +58,7 @@ from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
 from calculet_load.errors import ExitCode
+from calculet_load.locust.accuracy import BUDGET_MS, self_check
 from calculet_load.locust.coordinator import Coordinator
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
@@ -128,6 +130,8 @@ def _add_options(parser: Any) -> None:
     opt("--max-tokens", type=int, default=32, help="output tokens (without --mix)")
     opt("--max-in-flight", type=int, default=256, help="open loop: in-flight cap per process")
     opt("--late-ms", type=float, default=5.0, help="an arrival sent later than this is late")
+    opt("--accuracy-ms", type=float, default=BUDGET_MS, help="the run's timing budget: a cell "
+        "whose read wait or send lag P99 passes it is named and the run exits 3")  # fmt: skip
     opt("--burst-size", type=int, default=8, help="burst: requests fired at one instant")
     opt("--burst-every", type=float, default=0.0, help="burst: period in s (0: one burst)")
     opt("--burst-lead", type=float, default=1.0, help="burst: announce this many s ahead")
@@ -377,6 +381,7 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
     # joins them); a target without traces, or a failed fetch, leaves the records as is
     master.fetch_traces()
     index = master.write_index("complete")
+    self_check(environment, master.reports.values(), master.plan.run_id)
     if index is not None and index["status"] != "complete":
         problems = [
             f"{w['worker']}: {w.get('sink_problem') or w.get('status')}"

@@ -27,6 +27,7 @@ from locust.env import Environment
 
 from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.locust import clocksync as locust_clocksync
+from calculet_load.locust.accuracy import Accuracy
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
@@ -177,6 +178,7 @@ class Worker:
         # counted per finished request (a listener on every token event would make the
         # session fire an event per token: measured, 2 % of a worker's CPU)
         self.token_events_seen = 0
+        self.accuracy = Accuracy()  # the self-check: did this process keep up, per cell
         self.watch = SelfWatch(
             self.sink,
             self.name,
@@ -257,6 +259,7 @@ class Worker:
         for s in (self.stats, self.wire_pending):
             _count(s, record, self.opts.model)
         self.token_events_seen += record.ext.token_events or 0
+        self.accuracy.observe(record)
         if out.cancelled_at == "run_stop":
             return  # cut by the end of the run: in the records, not a server failure
         itl = itl_histogram(out.token_events) if out.ok else None
@@ -475,6 +478,7 @@ class Worker:
             "target_rtt": self.target_rtt(),
             "bursts": [{**b, **self._burst_sent(b["id"])} for b in self.bursts],
             "sink": dataclasses.asdict(self.sink.stats),
+            "accuracy": self.accuracy.to_wire(),
         }
 
     def _burst_sent(self, burst_id: str) -> dict[str, Any]:

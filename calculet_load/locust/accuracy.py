@@ -1,0 +1,114 @@
+"""The client's self-check (issue 18): did this client keep up with its load, per cell?
+
+Two figures per cell tell how far behind a process was, from its own records:
+
+    read_wait_ms   with kernel stamps (calculet_load.measure.client), the longest the
+                   bytes of any read of a request waited in the kernel for the client's
+                   loop; events that arrived while it waited share the read's stamp, so
+                   this bounds how late a TTFT or ITL can be (null with read stamps)
+    send_lag_ms    open loop: actual send − the schedule's instant (a late send shifts
+                   the arrival law, and hides queueing from latency-from-send)
+
+At the end of a Locust run the master adds up every worker's histograms; a cell whose
+P99 of either passes the run's budget (`--accuracy-ms`, 10 ms by default) is named, and
+the run exits 3 (infrastructure invalid): its figures are the client's, not the
+server's. Add worker processes or lower the rate (docs/measurement.md says how to size).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from calculet_load.errors import ExitCode
+from calculet_load.locust.livestats import LogHistogram
+from calculet_load.locust.llmstats import cell_name
+
+if TYPE_CHECKING:
+    from locust.env import Environment
+
+    from calculet_load.schema.records import RequestRecord
+
+log = logging.getLogger("calculet_load")
+
+FIGURES = ("read_wait_ms", "send_lag_ms")
+QUANTILE = 0.99
+BUDGET_MS = 10.0
+
+
+class Accuracy:
+    """Per cell: histograms of the two figures over the whole run (never reset)."""
+
+    def __init__(self) -> None:
+        self.cells: dict[str, dict[str, LogHistogram]] = {}
+
+    def _cell(self, name: str) -> dict[str, LogHistogram]:
+        hists = self.cells.get(name)
+        if hists is None:
+            hists = self.cells[name] = {f: LogHistogram() for f in FIGURES}
+        return hists
+
+    def observe(self, record: RequestRecord) -> None:
+        """One sent request (a dropped arrival was never sent: nothing to judge)."""
+        e = record.ext
+        if e.dropped:
+            return
+        hists = self._cell(cell_name(record))
+        if e.read_wait_ms is not None:
+            hists["read_wait_ms"].add(max(e.read_wait_ms, 0.0))
+        if e.send_lag_ms is not None:
+            hists["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            cell: {f: h.to_wire() for f, h in hists.items() if h.count}
+            for cell, hists in self.cells.items()
+        }
+
+    @classmethod
+    def from_wires(cls, wires: Iterable[dict[str, Any] | None]) -> Accuracy:
+        acc = cls()
+        for wire in wires:
+            for cell, hists in (wire or {}).items():
+                mine = acc._cell(str(cell))
+                for f, h in hists.items():
+                    if f in mine:
+                        mine[f].merge_wire(h)
+        return acc
+
+    def problems(self, budget_ms: float) -> list[str]:
+        """One line per cell whose P99 of a figure passes the budget (none: it kept up)."""
+        out = []
+        for cell in sorted(self.cells):
+            over = []
+            for f, h in self.cells[cell].items():
+                p = h.quantile(QUANTILE) if h.count else None
+                if p is not None and p > budget_ms:
+                    over.append(f"{f.removesuffix('_ms').replace('_', ' ')} P99 {p:.1f} ms")
+            if over:
+                out.append(f"{cell}: {', '.join(over)}")
+        return out
+
+
+def check_reports(reports: Iterable[dict[str, Any]], budget_ms: float) -> list[str]:
+    """The cells over budget across the workers' end-of-run reports (`accuracy`)."""
+    return Accuracy.from_wires(r.get("accuracy") for r in reports).problems(budget_ms)
+
+
+def self_check(environment: Environment, reports: Iterable[dict[str, Any]], run_id: str) -> None:
+    """At the end of a run (the master, or the one local process): the cells where the
+    client could not keep up are named, and the run exits 3."""
+    budget = float(getattr(environment.parsed_options, "accuracy_ms", BUDGET_MS))
+    problems = check_reports(reports, budget)
+    if problems:
+        log.error(
+            "calculet run %s: the client did not keep up (budget %g ms, --accuracy-ms) in "
+            "%d cell(s): %s; its timings there are the client's, not the server's: add "
+            "worker processes or lower the load (docs/measurement.md)",
+            run_id,
+            budget,
+            len(problems),
+            "; ".join(problems),
+        )
+        environment.process_exit_code = int(ExitCode.INFRASTRUCTURE)

@@ -1,0 +1,52 @@
+"""The client's self-check (calculet_load.locust.accuracy): cells where it fell behind
+are named from its own records, across workers, against the run's budget."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from calculet_load.locust.accuracy import Accuracy, check_reports
+from calculet_load.schema.records import Ext, RequestRecord
+
+
+def _record(cell: str, wait: float | None, lag: float | None = None, **ext: Any) -> RequestRecord:
+    return RequestRecord(
+        run_id="r",
+        request_id="x",
+        ext=Ext(cell=cell, read_wait_ms=wait, send_lag_ms=lag, **ext),
+    )
+
+
+def test_a_cell_over_budget_is_named_with_its_figure() -> None:
+    acc = Accuracy()
+    for i in range(200):
+        acc.observe(_record("short", 0.2 + i / 1000))  # kept up: P99 < 1 ms
+        acc.observe(_record("long", 30.0 if i % 10 == 0 else 0.5))  # 10 % waited 30 ms
+    problems = acc.problems(10.0)
+    assert len(problems) == 1
+    assert problems[0].startswith("long: read wait P99 ")
+    assert 29.0 < float(problems[0].split("P99 ")[1].split(" ms")[0]) < 31.0
+
+
+def test_send_lag_counts_and_dropped_arrivals_do_not() -> None:
+    acc = Accuracy()
+    for _ in range(100):
+        acc.observe(_record("open", None, lag=25.0))
+        acc.observe(_record("dropped", 500.0, lag=500.0, dropped=True))
+    assert acc.problems(10.0) == ["open: send lag P99 25.0 ms"]
+
+
+def test_workers_reports_add_up_through_json() -> None:
+    """The master judges the sum of its workers' histograms, as sent over the wire."""
+    a, b = Accuracy(), Accuracy()
+    for _ in range(100):
+        a.observe(_record("c", 0.5))
+    for _ in range(100):
+        b.observe(_record("c", 50.0))  # one worker fell behind: half the cell's requests
+    reports = [json.loads(json.dumps({"accuracy": w.to_wire()})) for w in (a, b)]
+    (problem,) = check_reports(reports, 10.0)
+    assert problem.startswith("c: read wait P99 ")  # within the histogram's 1 % of 50
+    assert 49.4 <= float(problem.split("P99 ")[1].split(" ms")[0]) <= 50.6
+    assert check_reports(reports, 100.0) == []
+    assert check_reports([{"worker": "w00"}], 10.0) == []  # a report without it
