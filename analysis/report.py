@@ -99,7 +99,14 @@ def build_view(
     legacy CSV import's trend line, spec §1, non-authoritative)."""
     from analysis.tables.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS
     from analysis.views import cells as cellviews
-    from analysis.views import counterexamples, loadcurves, provenance, soakgaps, timelines
+    from analysis.views import (
+        counterexamples,
+        headofline,
+        loadcurves,
+        provenance,
+        soakgaps,
+        timelines,
+    )
     from analysis.views import vendor as vendorviews
     from analysis.views.model import ReportView
 
@@ -143,6 +150,7 @@ def build_view(
         loadcurves.curves_section(rv),
         loadcurves.capacity_section(rv),
         loadcurves.batch_section(rv),
+        headofline.head_of_line_section(rv),
         timelines.device_section(rv),
         timelines.selfwatch_section(rv),
         timelines.server_section(rv),
