@@ -1,3 +1,4 @@
+# size: spec §9 per-cell statistics: percentiles with two intervals, mean/std/MAD, throughput
 """Summary statistics of one cell (spec §9): percentiles with distribution-free intervals,
 mean/std/MAD with their intervals, and steady-state throughput (§2.2, §9).
 
