@@ -20,7 +20,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from analysis.errors import ExitCode
-from analysis.judge import batch, boundary, capacity, headofline, resources
+from analysis.judge import batch, boundary, capacity, headofline, resources, stability
 from analysis.judge.evaluate import Context, evaluate
 from analysis.judge.evidence import Evidence, build_evidence
 from analysis.judge.rules import (
@@ -153,6 +153,7 @@ def _sections(rules: RulesFile, ctx: Context) -> dict[str, Any]:
         "leaks": resources.leak_section(ctx, _first(rules, LeakRule)),
         "head_of_line": headofline.cached_head_of_line(ctx),
         "vendor": vendor_summary(ctx.candidate.run.vendor, ctx.candidate.table),
+        "endurance": stability.endurance_section(ctx.candidate.run),
     }
 
 

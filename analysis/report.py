@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from analysis.views.model import ReportView, RunView
+    from analysis.views.model import ReportView, RunView, Section
 
 __all__ = [
     "REPORT_NAME",
@@ -107,6 +107,7 @@ def build_view(
         soakgaps,
         timelines,
     )
+    from analysis.views import endurance as enduranceviews
     from analysis.views import vendor as vendorviews
     from analysis.views.model import ReportView
 
@@ -156,11 +157,12 @@ def build_view(
         timelines.server_section(rv),
         soakgaps.soak_verdict_section(rv),
         timelines.soak_section(rv),
+        enduranceviews.endurance_section(rv),
         timelines.faults_section(rv),
         provenance.signature_section(rv),
         vendorviews.vendor_section(rv),
     )
-    legacy_trend = (vendorviews.legacy_section(legacy, rv),) if legacy is not None else ()
+    legacy_trend = (_legacy(legacy, rv),) if legacy is not None else ()
     notes += soakgaps.gap_notes(rv)
     notes += list((rv.verdict or {}).get("run", {}).get("notes") or []) + rv.files.notes
     if base is not None:
@@ -173,6 +175,19 @@ def build_view(
         notes=tuple(notes),
         tool=_tool(),
     )
+
+
+def _legacy(uri: str, rv: RunView) -> Section:
+    """The legacy import's trend section (spec §1: trend only, non-authoritative)."""
+    from analysis.errors import ArtifactError
+    from analysis.legacy import legacy_index, load_legacy_trend
+    from analysis.views.vendor import legacy_section
+
+    try:
+        trend = load_legacy_trend(uri)
+    except ArtifactError as exc:
+        return legacy_section(uri, None, None, rv, str(exc))
+    return legacy_section(uri, trend, legacy_index(uri), rv)
 
 
 def _tool() -> str:

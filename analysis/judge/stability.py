@@ -22,6 +22,11 @@ faults; consecutive faults before a recovery form one episode. The episode recov
 the next state change to ready or, when no fault of it changed the state, at the next
 request finished. Unrecovered: no recovery in the trace, or later than max_recovery_s.
 
+**Endurance** (`endurance_section`, verdict.json's `endurance`): the temperature drift
+of each chip and the long-run KV fragmentation signals (free blocks, largest free
+extent) where the target reports them, as trends: first and last tenth, Theil–Sen slope
+per server hour with its interval, after a tenth of warmup.
+
 Time is server time: the run's `time_scale` (server/resources.jsonl; 1 without it)
 turns a time-scaled rehearsal's real seconds into the seconds the stage states.
 """
@@ -37,10 +42,19 @@ import pyarrow.compute as pc
 from analysis.judge.evidence import Context, column_np, not_evaluated, verdict_for
 from analysis.judge.rules import BurstRecoveryRule, DeviceFaultsRule
 from analysis.judge.verdict import RuleVerdict, Status
+from analysis.stats.trend import theil_sen
 from analysis.tables.load import RunData
 from analysis.tables.runfiles import RunFiles
 
-__all__ = ["FAULT_EVENTS", "HANDLERS", "burst_recoveries", "device_fault_episodes", "time_scale"]
+__all__ = [
+    "FAULT_EVENTS",
+    "FRAGMENTATION_SERIES",
+    "HANDLERS",
+    "burst_recoveries",
+    "device_fault_episodes",
+    "endurance_section",
+    "time_scale",
+]
 
 FAULT_EVENTS = ("runtime_error", "reset", "state_change")
 _FAULT_STATES = ("recovering", "resetting", "failed")
@@ -302,6 +316,93 @@ def _device_faults(rule: DeviceFaultsRule, ctx: Context) -> list[RuleVerdict]:
         else "no device fault in the server trace"
     )
     return [verdict_for(rule, Status.PASS, len(bad), threshold, len(judged), seen + also, details)]
+
+
+def _trend(t_s: Any, y: Any, per: float) -> dict[str, Any]:
+    """First and last tenth's means, Theil–Sen slope (per `per` seconds) with its
+    interval, after a warmup of the first tenth of the span (§13: never the final value
+    alone). Fewer than 5 values: the figures, no slope."""
+    ok = np.isfinite(y)
+    t_s, y = t_s[ok], y[ok]
+    out: dict[str, Any] = {"samples": int(y.size), "first": None, "last": None,
+                           "min": None, "max": None, "change": None, "slope": None,
+                           "slope_lo": None, "slope_hi": None, "trend": "no data"}  # fmt: skip
+    if not y.size:
+        return out
+    span = float(t_s.max() - t_s.min())
+    keep = t_s >= t_s.min() + 0.1 * span
+    tk, yk = t_s[keep], y[keep]
+    tenth = max(1, yk.size // 10)
+    first, last = float(np.mean(yk[:tenth])), float(np.mean(yk[-tenth:]))
+    out.update(first=round(first, 3), last=round(last, 3), min=round(float(y.min()), 3),
+               max=round(float(y.max()), 3), change=round(last - first, 3))  # fmt: skip
+    if yk.size < 5 or span <= 0:
+        out["trend"] = "too few samples"
+        return out
+    fit = theil_sen(tk, yk)
+    out.update(slope=round(fit.slope * per, 4), slope_lo=round(fit.low * per, 4),
+               slope_hi=round(fit.high * per, 4))  # fmt: skip
+    out["trend"] = "rising" if fit.low > 0 else "falling" if fit.high < 0 else "flat"
+    return out
+
+
+FRAGMENTATION_SERIES = {
+    "kv_free_blocks": "blocks",
+    "kv_largest_free_extent_tokens": "tokens",
+}
+
+
+def endurance_section(run: RunData) -> dict[str, Any]:
+    """§13 endurance: per chip the temperature drift over the run (device.jsonl), and
+    the long-run KV fragmentation signals where the target reports them
+    (server/resources.jsonl: free KV blocks, largest free extent), each as a trend over
+    server hours; `reported: false` and why where the run has neither."""
+    scale = time_scale(run)
+    hour = 3600.0
+    temps: list[dict[str, Any]] = []
+    dev = run.device
+    if dev is not None and dev.num_rows:
+        chips = dev.column("chips")
+        flat = pc.list_flatten(chips)
+        parent = np.asarray(pc.list_parent_indices(chips), dtype=np.int64)
+        mono = column_np(dev.column("mono_ns"), 0, np.int64)
+        t_s = (mono[parent] - mono.min()).astype(np.float64) / 1e9 / scale
+        chip = column_np(pc.struct_field(flat, "chip"), -1, np.int64)
+        temp = column_np(pc.struct_field(flat, "temperature_c"), np.nan, np.float64)
+        for c in sorted(set(chip.tolist()) - {-1}):
+            mine = chip == c
+            temps.append({"chip": c, "unit": "°C", "per": "hour",
+                          **_trend(t_s[mine], temp[mine], hour)})  # fmt: skip
+    frag: dict[str, Any] = {}
+    res = run.resources
+    if res is not None and res.num_rows:
+        mono = column_np(res.column("mono_ns"), 0, np.int64)
+        t_s = (mono - mono.min()).astype(np.float64) / 1e9 / scale
+        for name, unit in FRAGMENTATION_SERIES.items():
+            if name not in res.column_names:
+                continue
+            y = column_np(pc.cast(res.column(name), "float64"), np.nan, np.float64)
+            if np.isfinite(y).any():
+                frag[name] = {"unit": unit, "per": "hour", **_trend(t_s, y, hour)}
+    return {
+        "time_scale": scale,
+        "temperature": {
+            "reported": bool(temps) and any(t["samples"] for t in temps),
+            "chips": temps,
+            "note": None if temps else "no server/device.jsonl: temperature drift is no data",
+        },
+        "fragmentation": {
+            "reported": bool(frag),
+            "series": frag,
+            "note": None
+            if frag
+            else "the target reports no KV fragmentation signal (free KV blocks: "
+            "calculet_kv_free_blocks; largest free extent: "
+            "calculet_kv_largest_free_extent_tokens; or /admin/state kv.free_blocks, "
+            "kv.largest_free_extent_tokens): long-run fragmentation is not observable "
+            "here, only KV allocated and the leak trends",
+        },
+    }
 
 
 HANDLERS: dict[str, Callable[[Any, Context], list[RuleVerdict]]] = {

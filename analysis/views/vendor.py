@@ -129,18 +129,16 @@ def _per_cell(rv: RunView) -> Any:
     )
 
 
-def legacy_section(uri: str, rv: RunView) -> Section:
-    """The old CSV's "TTFT" as a trend line beside this run's client TTFT P50, marked
-    non-authoritative; the import's own refusal reason when `uri` is not one."""
-    from analysis.errors import ArtifactError
-    from analysis.legacy import legacy_index, load_legacy_trend
-
+def legacy_section(
+    uri: str, trend: pa.Table | None, index: dict[str, Any] | None, rv: RunView, error: str = ""
+) -> Section:
+    """The old CSV's "TTFT" (a legacy import's trend table and index, as
+    analysis.legacy reads them) as a trend line beside this run's client TTFT P50, marked
+    non-authoritative; `error` when the import could not be read."""
     s = Section("legacy", f"Legacy CSV trend ({LEGACY_BANNER})")
-    try:
-        trend = load_legacy_trend(uri)
-    except ArtifactError as exc:
-        return s.empty(f"the legacy import could not be read: {exc}")
-    index = legacy_index(uri) or {}
+    if trend is None:
+        return s.empty(f"the legacy import could not be read: {error}")
+    index = index or {}
     source = index.get("source") or {}
     s.intro.append(
         f"{LEGACY_BANNER}. {fmt_int(trend.num_rows)} rows of {source.get('file', uri)} "

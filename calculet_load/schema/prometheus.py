@@ -33,6 +33,8 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "sequences_active": ("calculet_sequences_active",),
     "requests_queued": ("calculet_requests_queued",),
     "time_scale": ("calculet_sim_time_scale",),
+    "kv_free_blocks": ("calculet_kv_free_blocks",),
+    "kv_largest_free_extent_tokens": ("calculet_kv_largest_free_extent_tokens",),
 }
 FLOAT_FIELDS = {"device_memory_mib", "time_scale"}
 

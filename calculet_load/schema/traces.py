@@ -212,6 +212,10 @@ class ResourceRow:
     sequences_active: int | None = None
     requests_queued: int | None = None
     time_scale: float | None = None
+    # long-run KV fragmentation (spec §13 endurance), where the target reports it: free
+    # KV blocks, and the largest run of contiguous free KV in tokens
+    kv_free_blocks: int | None = None
+    kv_largest_free_extent_tokens: int | None = None
 
 
 _ADAPTERS: dict[type[Any], TypeAdapter[Any]] = {}

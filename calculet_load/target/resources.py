@@ -66,6 +66,8 @@ def _from_state(state: dict[str, Any]) -> dict[str, Any]:
         "sequences_active": state.get("sequences_active"),
         "requests_queued": queue.get("waiting"),
         "time_scale": state.get("time_scale"),
+        "kv_free_blocks": kv.get("free_blocks"),
+        "kv_largest_free_extent_tokens": kv.get("largest_free_extent_tokens"),
     }
 
 

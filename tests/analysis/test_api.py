@@ -197,7 +197,6 @@ PIPELINE_API = {
         "CapacityRule",
         "CellSelector",
         "CrosstalkRule",
-        "CrosstalkRule",
         "DeviceFaultsRule",
         "DeviceLimitsRule",
         "ErrorRateRule",

@@ -450,6 +450,7 @@ REPORT_API = {
     "views.provenance": ["EXIT_MEANINGS", "banner", "plan_section", "provenance_section",
                    "signature_section", "verdicts_section"],
     "views.vendor": ["LEGACY_BANNER", "legacy_section", "vendor_section"],
+    "views.endurance": ["endurance_section"],
     "views.cells": ["METRIC_TITLES", "PRIMARY", "cdf_points", "cells_section",
                   "comparison_section", "measured_values", "summary_rows"],
     "views.counterexamples": ["BREAKDOWN", "SLOWEST", "excluded_section", "long_context_section",

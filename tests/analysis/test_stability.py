@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
-from analysis.analyze import analyze
+from analysis.analyze import analyze, write_outputs
 from analysis.errors import RulesError
 from analysis.judge.rules import DEFAULT_RULES, load_rules
+from analysis.report import write_report
 from calculet_load.soak.judge import STAGE_RULES, _rule_condition
 from calculet_load.soak.stage import load_stage
-from tests.analysis.runs import MS, WALL0, RunBuilder, request
+from tests.analysis.runs import MS, WALL0, RunBuilder, device_row, request
+from tests.analysis.test_report import Page
 
 S = 1000 * MS
 
@@ -205,3 +207,67 @@ def test_the_soak_names_each_stage_rule_as_a_condition() -> None:
     ok, expected, observed = _rule_condition([unset])
     assert ok is None and "sla_ttft: ttft_ms p99 ≤ 900" in expected
     assert observed["rules"][0]["reason"] == "not configured: set max_ms"
+
+
+def _endurance_run(root: Path, *, fragmentation: bool, scale: float | None = None) -> str:
+    """Two hours (real) of device rows every minute: chip 0 warms by 2 °C per hour from
+    40 °C, chip 1 stays at 41 °C; resources every minute: free KV blocks fall from 100
+    by 20 per hour, the largest free extent stays at 4096 tokens."""
+    b = RunBuilder(root)
+    for i in range(10):
+        b.add(request(f"r{i}", t0=i * S, arrival="poisson", concurrency=None))
+    minutes = range(121)
+    b.trace("device", [device_row(m * 60 * S, (40.0 + 2 * m / 60, 41.0)) for m in minutes])
+    rows: list[dict[str, Any]] = []
+    for m in minutes:
+        row: dict[str, Any] = {"wall_ns": WALL0 + m * 60 * S, "mono_ns": m * 60 * S,
+                               "time_scale": scale}  # fmt: skip
+        if fragmentation:
+            row |= {"kv_free_blocks": 100 - round(20 * m / 60),
+                    "kv_largest_free_extent_tokens": 4096}  # fmt: skip
+        rows.append(row)
+    b.trace("resources", rows)
+    return b.complete_index().write()
+
+
+def test_endurance_reports_temperature_drift_and_fragmentation_trends(tmp_path: Path) -> None:
+    run = _endurance_run(tmp_path / "frag", fragmentation=True)
+    doc = analyze(run).document["endurance"]
+    c0, c1 = doc["temperature"]["chips"]
+    assert c0["trend"] == "rising" and c0["slope"] == pytest.approx(2.0, rel=1e-3)
+    # first and last tenth after a tenth of warmup: minutes 12..22 and 111..120
+    assert c0["change"] == pytest.approx(2 * (115.5 - 17) / 60, abs=0.05)
+    assert c1["trend"] == "flat" and c1["slope"] == 0 and c1["change"] == 0
+    frag = doc["fragmentation"]
+    assert frag["reported"] is True
+    blocks = frag["series"]["kv_free_blocks"]
+    assert blocks["trend"] == "falling" and blocks["slope"] == pytest.approx(-20, rel=0.05)
+    assert blocks["max"] == 100 and blocks["min"] == 60
+    assert frag["series"]["kv_largest_free_extent_tokens"]["trend"] == "flat"
+    write_outputs(analyze(run), run)
+    page = Page(Path(write_report(run)).read_text())
+    assert page.tables["endurance_temperature"][0][0] == "0"
+    assert page.tables["endurance_temperature"][0][-1] == "rising"
+    assert page.tables["endurance_fragmentation"][0][:2] == ["kv_free_blocks", "blocks"]
+
+    # a rehearsal at time scale 0.5: two real hours are four server hours
+    run = _endurance_run(tmp_path / "scaled", fragmentation=False, scale=0.5)
+    doc = analyze(run).document["endurance"]
+    assert doc["time_scale"] == 0.5
+    assert doc["temperature"]["chips"][0]["slope"] == pytest.approx(1.0, rel=1e-3)
+    assert doc["fragmentation"]["reported"] is False
+    assert "reports no KV fragmentation signal" in doc["fragmentation"]["note"]
+    write_outputs(analyze(run), run)
+    text = Page(Path(write_report(run)).read_text()).sections["endurance"]
+    assert "reports no KV fragmentation signal" in text
+
+
+def test_fragmentation_series_are_read_from_metrics_and_admin_state() -> None:
+    from calculet_load.schema.prometheus import resource_fields
+    from calculet_load.target.resources import _from_state
+
+    got = resource_fields({"calculet_kv_free_blocks": 12.0,
+                           "calculet_kv_largest_free_extent_tokens": 640.0})  # fmt: skip
+    assert got == {"kv_free_blocks": 12, "kv_largest_free_extent_tokens": 640}
+    state = _from_state({"kv": {"free_blocks": 3, "largest_free_extent_tokens": 48}})
+    assert (state["kv_free_blocks"], state["kv_largest_free_extent_tokens"]) == (3, 48)

@@ -1,0 +1,53 @@
+"""Spec §13's candidate conditions as rules, end to end (issue 19 item 6): a time-scaled
+candidate rehearsal against the real simulator, judged with the stage's own rules file
+(configs/soak/candidate.yaml names configs/acceptance/soak-candidate.yaml, which extends
+the default): the soak lists "SLA held" and "recovery after each burst" as conditions
+from the analysis' verdicts, and verdict.json has the endurance section."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.load.test_soak import ENV, FAST, MANIFEST, StartSim, conditions
+
+
+def test_a_candidate_rehearsal_is_judged_by_the_stage_rules(
+    start_sim: StartSim, tmp_path: Path
+) -> None:
+    sim = start_sim(*FAST, faults=True)
+    run = tmp_path / "run"
+    # 28800 target s x 0.03 = 864 s: one burst (at 600 s), 17.3 s real at time scale 0.02
+    cmd = [sys.executable, "-m", "calculet_load.cli", "soak", "--manifest", str(MANIFEST),
+           "--url", sim.url, "--run-dir", str(run), "--stage", "candidate",
+           "--duration-scale", "0.03", "--target-rate", "0.25"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1, 3, 4), out[-3000:]
+    c = conditions(run)
+    # the SLA is the deployment's to state: not configured, so not judged, and said so
+    sla = c["SLA held"]
+    assert sla["ok"] is None and sla["class"] == "target", sla
+    assert {r["rule"] for r in sla["observed"]["rules"]} == {"sla_ttft", "sla_tpot"}
+    assert all(r["reason"].startswith("not configured") for r in sla["observed"]["rules"])
+    # the burst was judged against the stated 60 s, from the records of this run
+    burst = c["recovery after each burst"]
+    assert burst["ok"] is not None, burst
+    assert "every burst recovered within 60 s" in burst["expected"]
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert verdict["rules"]["file"].endswith("soak-candidate.yaml")
+    [rule] = [v for v in verdict["verdicts"] if v["kind"] == "burst_recovery"]
+    [b] = rule["details"]
+    assert b["size"] == 16 and b["baseline_n"] >= 3, b
+    assert b["recovery_s"] is None or b["recovery_s"] >= b["drain_s"] > 0, b
+    # the candidate stage has no device-fault rule (that is the release stage's)
+    assert "zero unrecovered device faults" not in c
+    # §13 endurance signals are in every verdict: the simulator's chips' temperatures
+    # and, since it reports none, why fragmentation is not observable
+    endurance = verdict["endurance"]
+    assert endurance["time_scale"] == 0.02
+    assert [ch["chip"] for ch in endurance["temperature"]["chips"]] == [0, 1]
+    assert endurance["fragmentation"]["reported"] is False
