@@ -48,6 +48,7 @@ from analysis.tables.join import load_run
 from analysis.tables.summary import summary_table
 from analysis.tables.vendor import vendor_summary
 from calculet_load.schema.fs import resolve_fs
+from calculet_load.schema.manifest import REHEARSAL_BANNER, is_rehearsal
 
 __all__ = ["OUTPUTS", "Analysis", "analyze", "write_outputs"]
 
@@ -166,10 +167,14 @@ def _document(
     code: ExitCode,
 ) -> dict[str, Any]:
     counts = {s.value: sum(v.status is s for v in verdicts) for s in Status}
+    rehearsal = is_rehearsal((ctx.candidate.run.manifest or {}).get("purpose"))
     return {
         "schema": VERDICT_SCHEMA,
         "status": status_word(code),
         "exit_code": int(code),
+        # §8: a rehearsal (the manifest's purpose says so) is never an acceptance
+        "rehearsal": rehearsal,
+        "banner": REHEARSAL_BANNER if rehearsal else None,
         "run": _run_info(ctx.candidate),
         "baseline": _run_info(ctx.baseline) if ctx.baseline is not None else None,
         "rules": {

@@ -24,7 +24,10 @@ class AnalysisDoor:
     (the request records as an Arrow table, joined with the server traces: server_ms,
     runtime_ms and the quality flags filled where a record joined);
     `theil_sen(t, y) -> fit` (the one Theil–Sen slope, `.slope`: the capacity search's
-    backlog growth, the soak's client RSS)."""
+    backlog growth, the soak's client RSS); `idle_criterion(rules_path, window_s=,
+    timeout_s=) -> criterion` (the rules file's §8.2 idle criterion,
+    analysis.judge.idle.IdleCriterion: `.window_s`, `.timeout_s`, `.describe()`,
+    `.check(t, series) -> IdleCheck`; an invalid rules file raises with `exit_code` 2)."""
 
     analyze_run: Callable[..., int]
     write_report: Callable[..., str]
@@ -32,3 +35,4 @@ class AnalysisDoor:
     leak_segments: Callable[[Path, str | None, list[dict[str, Any]]], list[dict[str, Any]]]
     joined_records: Callable[[str], Any]
     theil_sen: Callable[[Sequence[float], Sequence[float]], Any]
+    idle_criterion: Callable[..., Any]

@@ -112,6 +112,11 @@ class Device(_Strict):
     memory_base_mib: float = Field(default=6_200.0, ge=0)
     kv_bytes_per_token: int = Field(default=65_536, ge=0)
     sample_interval_s: float = Field(default=1.0, gt=0)
+    # A device that never settles (spec §8.2's idle check): every chip's power swings
+    # sinusoidally by this much (W, peak) with this period (simulated s), at any load,
+    # and its temperature follows. 0: power follows the load alone.
+    power_swing_w: float = Field(default=0.0, ge=0)
+    power_swing_period_s: float = Field(default=60.0, gt=0)
     # Fields reported as null, e.g. ["power_w", "chip1.temperature_c"].
     unreadable: list[str] = Field(default_factory=list)
 

@@ -41,6 +41,8 @@ __all__ = [
     "DeviceLimitsRule",
     "ErrorRateRule",
     "GoldenRule",
+    "IdleRules",
+    "IdleSeries",
     "ImprovementSpec",
     "InfrastructureRules",
     "LeakRule",
@@ -464,11 +466,44 @@ class InfrastructureRules(_Strict):
     max_send_lag_p99_ms: float | None = Field(default=10.0, gt=0)
 
 
+class IdleSeries(_Strict):
+    """One device series of §8.2's idle criterion, over the window: its range (max - min)
+    and the magnitude of its Theil–Sen slope (unit per minute); None leaves one unchecked."""
+
+    max_range: float | None = Field(default=None, ge=0)
+    max_slope_per_min: float | None = Field(default=None, ge=0)
+
+
+class IdleRules(_Strict):
+    """Spec §8.2: idle sampling until temperature, power and frequency are stable. `accept`
+    samples the target's chip gauges and waits until, over the last `window_s`, each
+    series holds its limits (the rule ids `idle.temperature_c`, `idle.power_w`,
+    `idle.frequency_mhz`); after `timeout_s` without that, the run stops with exit 3
+    naming the series that did not hold. `--idle-window-s`/`--idle-timeout-s` override
+    the two durations."""
+
+    window_s: float = Field(default=300.0, gt=0)  # spec §8.2: 5 minutes
+    timeout_s: float = Field(default=1800.0, gt=0)
+    temperature_c: IdleSeries = IdleSeries(max_range=0.5, max_slope_per_min=0.1)  # hottest chip
+    power_w: IdleSeries = IdleSeries(max_range=1.0, max_slope_per_min=0.2)  # chips summed
+    frequency_mhz: IdleSeries = IdleSeries(max_range=0.0, max_slope_per_min=0.0)  # slowest
+
+    @property
+    def series(self) -> dict[str, IdleSeries]:
+        """The limits of each series, by the name the device sample gives it."""
+        return {
+            "temperature_c": self.temperature_c,
+            "power_w": self.power_w,
+            "frequency_mhz": self.frequency_mhz,
+        }
+
+
 class RulesFile(_Strict):
     schema_: str = Field(alias="schema")
     extends: str | None = None  # a rules file beside this one that this one overrides
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
     infrastructure: InfrastructureRules = Field(default_factory=InfrastructureRules)
+    idle: IdleRules = Field(default_factory=IdleRules)
     rules: list[Rule] = Field(default_factory=list)
 
     @field_validator("schema_")

@@ -148,6 +148,8 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
     if doc.get("baseline"):
         head += f"  (baseline {doc['baseline']['uri']})"
     lines.append(head)
+    if doc.get("banner"):  # "rehearsal: not an acceptance"
+        lines.append(f"  {doc['banner'].upper()}")
     q = doc["quality"]
     parts = q["by_partition"]
     excluded = {k: v for k, v in q["by_reason"].items() if v and k in _EXCLUDING_REASONS}

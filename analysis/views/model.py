@@ -111,6 +111,7 @@ class Banner:
     purpose: str
     facts: tuple[tuple[str, str], ...]
     failing: tuple[tuple[str, str, str], ...]  # (rule, status, reason)
+    rehearsal: str | None = None  # "rehearsal: not an acceptance" (spec §8), else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from analysis.views.network import (
     network_table,
     rtt_measured,
 )
+from calculet_load.schema.manifest import REHEARSAL_BANNER, is_rehearsal
 
 __all__ = [
     "EXIT_MEANINGS",
@@ -127,6 +128,8 @@ def banner(rv: RunView) -> Banner:
     purpose = str(
         ((v or {}).get("run") or {}).get("purpose") or (rv.manifest or {}).get("purpose") or ""
     )
+    # spec §8: a rehearsal says so in the banner (verdict.json's, else the manifest's purpose)
+    rehearsal = (v or {}).get("banner") or (REHEARSAL_BANNER if is_rehearsal(purpose) else None)
     failing: list[tuple[str, str, str]] = []
     if v is None:
         code = stop_code
@@ -209,6 +212,7 @@ def banner(rv: RunView) -> Banner:
         purpose=purpose,
         facts=tuple(facts),
         failing=tuple(failing),
+        rehearsal=rehearsal,
     )
 
 
@@ -416,8 +420,9 @@ def plan_section(rv: RunView) -> Section:
     else:
         if plan.get("below_minimum_repetitions"):
             s.intro.append(
-                "Rehearsal: repetitions were capped below spec §8's 30 (100 for short cases) "
-                "with --min-repetitions; intervals are wide and P99 bounds may not exist."
+                "Rehearsal: some cells have fewer repetitions than spec §8's 30 (100 for short "
+                "cases), which only a rehearsal may; intervals are wide and P99 bounds may "
+                "not exist."
             )
         s.intro.append(
             f"Seed {plan.get('seed')}, attempts {plan.get('attempts')}; cells in executed "

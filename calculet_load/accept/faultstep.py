@@ -28,6 +28,7 @@ class FaultStepHost(Protocol):
     run_dir: Path
     code: int
     notes: list[str]
+    golden_file: str | None  # the golden set to check (accept --record-golden: the recorded)
 
 
 def run_fault_step(pipeline: FaultStepHost) -> None:
@@ -46,7 +47,7 @@ def run_fault_step(pipeline: FaultStepHost) -> None:
     broken = [x for x in os.environ.get("CALCULET_FAULTS_BROKEN", "").split(",") if x] or None
     opts = FaultOptions(
         manifest=o.manifest, scenarios=scenarios, url=pipeline.url,
-        run_dir=str(pipeline.run_dir), golden=o.golden, admin_token=o.admin_token,
+        run_dir=str(pipeline.run_dir), golden=pipeline.golden_file, admin_token=o.admin_token,
         progress=o.progress, broken=broken, run_started_wall_ns=_run_start(pipeline.run_dir),
     )  # fmt: skip
     try:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+import yaml
 
 from calculet_load.accept.crosstalk import run_crosstalk
 from calculet_load.accept.faultstep import run_fault_step
@@ -87,6 +88,7 @@ from calculet_load.workload.matrix import (
     MatrixError,
     load_golden,
     load_matrix,
+    minimum_repetitions,
 )
 from calculet_load.workload.mixes import load_mix, single
 
@@ -94,6 +96,7 @@ PLAN_SCHEMA = "calculet-plan/v1"
 # what stays in place when a cut attempt is set aside: an interleaved run's baseline
 # folder (it sets its own attempts aside) and the baseline manifest made from a URL
 SET_ASIDE_KEEPS = {"aborted", "baseline", "manifest.given.yaml"}
+GOLDEN_RECORDED = "golden.recorded.yaml"  # accept --record-golden: the set with this run's hashes
 
 
 @dataclass
@@ -108,10 +111,10 @@ class Options:
     rules: str | None = None
     calbin: str | None = None
     admin_token: str | None = None
-    idle_window_s: float = 300.0
-    idle_timeout_s: float = 1800.0
+    idle_window_s: float | None = None  # None: the rules file's idle.window_s (§8.2)
+    idle_timeout_s: float | None = None  # None: the rules file's idle.timeout_s
     idle_gap_s: float = 2.0
-    min_repetitions: int | None = None  # rehearsals only: below §8's 30/100, flagged
+    min_repetitions: int | None = None  # a cap: below §8's 30/100 in a rehearsal only
     record_golden: bool = False
     resume: bool = False
     skip_report: bool = False
@@ -152,14 +155,18 @@ class Pipeline:
             self.manifest: RunManifest = load_manifest(opts.manifest)
             self.matrix: Matrix = load_matrix(opts.matrix)
             self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
+            self.golden_file = opts.golden  # --record-golden: golden.recorded.yaml once recorded
         except (ManifestError, MatrixError) as exc:
             raise RunStop(EXIT_INVALID, str(exc)) from None
         t = self.target = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
+        self.idle = self._idle_criterion()  # §8.2, from the rules file (exit 2 if invalid)
         self.run_dir = Path(opts.run_dir or Path("runs") / self.manifest.run_id)
         self.cells = self.matrix.expanded()
+        if not self.manifest.rehearsal:
+            self._check_repetitions()
         self.plan: dict[str, Any] = {}
         self.code = EXIT_OK
         self.notes: list[str] = []
@@ -167,6 +174,59 @@ class Pipeline:
         self.fleet: Any = None  # calculet_load.locust.cells.Fleet in a distributed run
         self.label = ""  # " (baseline)" / " (candidate)" in an interleaved run
         self.owns_fleet = True  # False: the fleet is the interleaved candidate's
+
+    # --------------------------------------------------------------- §8.2, §8.6
+    def _idle_criterion(self) -> Any:
+        """The rules file's idle criterion through the analysis door (None without one),
+        its durations overridden by `--idle-window-s`/`--idle-timeout-s`."""
+        o = self.o
+        if o.analysis is None:
+            return None
+        try:
+            crit = o.analysis.idle_criterion(
+                o.rules, window_s=o.idle_window_s, timeout_s=o.idle_timeout_s
+            )
+        except Exception as exc:  # the rules file is invalid (RulesError, exit 2): one line
+            if getattr(exc, "exit_code", None) is None:
+                raise
+            raise RunStop(EXIT_INVALID, str(exc)) from None
+        if crit.timeout_s < crit.window_s:
+            raise RunStop(
+                EXIT_INVALID,
+                f"idle: the time limit ({crit.timeout_s:g} s) is shorter than the window "
+                f"({crit.window_s:g} s): the device could never be found stable",
+            )
+        return crit
+
+    def _repetitions(self, cell: Cell) -> int:
+        """What the plan gives the cell: the matrix's repetitions, capped by
+        `--min-repetitions` (a burst cell sends size × rounds whatever the cap)."""
+        reps = self.matrix.repetitions_for(cell)
+        if self.o.min_repetitions is not None and cell.kind != "burst":
+            reps = min(reps, self.o.min_repetitions)
+        return reps
+
+    def _below_minimum(self, cell: Cell) -> bool:
+        need = minimum_repetitions(cell)
+        return need is not None and self._repetitions(cell) < need
+
+    def _check_repetitions(self) -> None:
+        """Spec §8.6 enforced: an acceptance (the manifest's purpose does not say
+        rehearsal) refuses, before anything runs, a cell below 30 repetitions (100 for a
+        short case); boundary cells are policy tests, not measurements (exit 2)."""
+        short = [c for c in self.cells if self._below_minimum(c)]
+        if not short:
+            return
+        cell = short[0]
+        reps, need = self._repetitions(cell), minimum_repetitions(cell)
+        what = "a short case (prompt <= 512, output <= 32 tokens)" if cell.short else "a case"
+        more = f" (and {len(short) - 1} other cell(s) below §8)" if len(short) > 1 else ""
+        raise RunStop(
+            EXIT_INVALID,
+            f"§8: cell {cell.name} has {reps} repetitions, fewer than the {need} an acceptance "
+            f"needs for {what}{more}; raise the matrix's repetitions, or say rehearsal in "
+            f"the manifest's purpose ({self.manifest.purpose!r})",
+        )
 
     # --------------------------------------------------------------- helpers
     def say(self, text: str) -> None:
@@ -266,6 +326,9 @@ class Pipeline:
             run_steps(BEFORE_MATRIX, self, self.log)
         else:
             self.log.write("run", "resume", attempt=self.plan["attempts"])
+            pinned = self.run_dir / GOLDEN_RECORDED
+            if self.o.record_golden and pinned.exists():  # golden before recorded it
+                self.golden, self.golden_file = load_golden(pinned), str(pinned)
             self.say(f"resuming {self.run_dir} (attempt {self.plan['attempts']})")
             run_steps(ON_RESUME, self, self.log)
 
@@ -368,20 +431,27 @@ class Pipeline:
 
     # --------------------------------------------------------------- 2 idle
     def _idle(self) -> StepResult:
-        """Wait until the device's temperature, power and frequency are stable.
+        """Spec §8.2: wait until the device's temperature, power and frequency are stable.
 
         Samples the target's `/metrics` (spec §10.3 gauges `calculet_chip_temperature_c`,
-        `calculet_chip_power_w`, `calculet_chip_frequency_mhz`) until, over the last
-        `--idle-window-s`, the hottest chip moved <= 0.5 C, total power <= 1 W and the
-        lowest frequency did not change."""
+        `calculet_chip_power_w`, `calculet_chip_frequency_mhz`: the hottest chip, the
+        chips summed, the slowest chip) until, over the last window, each series holds
+        the rules file's `idle` limits on its range and slope (analysis.judge.idle).
+        Still not stable at the time limit: exit 3, naming the series that did not hold."""
         if (lacking := self._lacks("device telemetry")) is not None:
             return lacking
-        window = self.o.idle_window_s
-        self.say(f"idle sampling: waiting for a stable {window:g} s window")
-        rows: list[tuple[float, float, float, float]] = []
+        crit = self.idle
+        if crit is None:
+            self.notes.append("idle: no analysis door given to this run: no idle criterion")
+            return StepResult.not_available("no analysis door: the rules file's idle criterion")
+        window, limit = crit.window_s, crit.timeout_s
+        self.say(f"idle sampling: waiting for a stable {window:g} s window (at most {limit:g} s)")
+        names = ("temperature_c", "power_w", "frequency_mhz")  # device_sample's order
+        t: list[float] = []
+        series: dict[str, list[float]] = {k: [] for k in names}
         started = time.monotonic()
-        stable = False
-        while time.monotonic() - started < self.o.idle_timeout_s:
+        check: Any = None
+        while True:
             try:
                 sample = device_sample(self._get("/metrics").decode())
             except (OSError, ValueError) as exc:
@@ -390,20 +460,25 @@ class Pipeline:
             if sample is None:
                 self.notes.append("idle: /metrics has no chip gauges; idle sampling skipped")
                 return StepResult.not_available("no chip gauges", stable=None, window_s=window)
-            now = time.monotonic()
-            rows.append((now, *sample))
-            if now - rows[0][0] >= window:
-                recent = [r for r in rows if r[0] >= now - window]
-                spread = [max(x) - min(x) for x in list(zip(*recent, strict=True))[1:]]
-                if spread[0] <= 0.5 and spread[1] <= 1.0 and spread[2] <= 0.0:
-                    stable = True
+            t.append(time.monotonic() - started)
+            for name, value in zip(names, sample, strict=True):
+                series[name].append(value)
+            if t[-1] >= window:
+                check = crit.check(t, series)
+                if check.stable or t[-1] >= limit:
                     break
             gevent.sleep(min(1.0, max(window / 10, 0.1)))
-        last = rows[-1] if rows else None
-        if not stable:
-            self.notes.append("idle: the device did not become stable within the timeout")
-        self.say(f"idle sampling: {'stable' if stable else 'NOT stable'} ({len(rows)} samples)")
-        return StepResult.ok(stable=stable, samples=len(rows), last=last, window_s=window)
+        detail = {"samples": len(t), "waited_s": round(t[-1], 3), "criterion": crit.describe(),
+                  "last": [t[-1], *sample], "window_s": window, **check.record()}  # fmt: skip
+        self.say(f"idle sampling: {'stable' if check.stable else 'NOT stable'} ({len(t)} samples)")
+        if not check.stable:
+            reason = (
+                f"idle: the device was not stable within {limit:g} s (spec §8.2, rules file "
+                f"idle): {'; '.join(check.failing)} over the last {window:g} s"
+            )
+            self.log.end("idle", StepResult.failed(reason, **detail))
+            raise RunStop(EXIT_INFRA, reason)
+        return StepResult.ok(**detail)
 
     def _device_now(self) -> dict[str, Any] | None:
         """The device as a cell starts or ends (§8: temperature and throttling per
@@ -426,28 +501,25 @@ class Pipeline:
 
     # --------------------------------------------------------------- 3/6 golden
     def _golden(self, step: str) -> None:
+        """The golden set: any error or hash mismatch stops the run (exit 1). A case
+        without a hash is recorded; with `--record-golden`, golden before records every
+        case (compares none) and the recorded set is what the rest of the run checks."""
         if self.golden is None:
             self.log.write(step, "skipped", reason="no golden set given")
             return
-        self.log.write(step, "start", cases=len(self.golden.cases))
-        expected = [
-            {"cell": f"{prefix}:{c.name}", "token_hash": c.token_hash}
-            for prefix in ("golden_before", "golden_after")
-            for c in self.golden.cases
-            if c.token_hash is not None
-        ]
-        if expected:  # the analysis judges golden records against these, not a majority
-            (self.run_dir / "golden.json").write_text(json.dumps({"cases": expected}, indent=1))
+        record = self.o.record_golden and step == "golden_before"
+        self.log.write(step, "start", cases=len(self.golden.cases), record=record)
+        self._write_golden_json()
         failures = []
         recorded = []
         for case in self.golden.cases:
             prompt = self._prompt(case.prompt_tokens, case.sample)
             spec = golden_spec(case, prompt, f"{step}:{case.name}")
-            record, _ = run_in_greenlet(functools.partial(self.session.send, spec))
-            got = record.result.token_hash
-            if record.ext.error_class is not None:
-                failures.append(f"{case.name}: {record.ext.error_class}")
-            elif case.token_hash is None:
+            record_, _ = run_in_greenlet(functools.partial(self.session.send, spec))
+            got = record_.result.token_hash
+            if record_.ext.error_class is not None:
+                failures.append(f"{case.name}: {record_.ext.error_class}")
+            elif record or case.token_hash is None:
                 recorded.append({"name": case.name, "token_hash": got})
             elif got != case.token_hash:
                 failures.append(
@@ -455,7 +527,9 @@ class Pipeline:
                 )
         if recorded:
             self.log.write(step, "recorded", hashes=recorded)
-            if step == "golden_before":
+            if record and not failures:
+                self._pin_golden(recorded)
+            elif step == "golden_before":
                 self.notes.append(
                     f"golden: {len(recorded)} case(s) had no expected hash: recorded in "
                     "events.jsonl (compared with this run's majority by the analysis)"
@@ -464,6 +538,46 @@ class Pipeline:
         self.say(f"{step}: {len(self.golden.cases) - len(failures)}/{len(self.golden.cases)} match")
         if failures:
             raise RunStop(EXIT_FAIL, f"{step} failed: {'; '.join(failures[:3])}")
+
+    def _write_golden_json(self) -> None:
+        """`golden.json`: the expected hash of each golden cell, which the analysis judges
+        golden records against (not a majority)."""
+        assert self.golden is not None
+        expected = [
+            {"cell": f"{prefix}:{c.name}", "token_hash": c.token_hash}
+            for prefix in ("golden_before", "golden_after")
+            for c in self.golden.cases
+            if c.token_hash is not None
+        ]
+        if expected:
+            (self.run_dir / "golden.json").write_text(json.dumps({"cases": expected}, indent=1))
+
+    def _pin_golden(self, recorded: list[dict[str, Any]]) -> None:
+        """`--record-golden`: the golden set with this run's hashes becomes the run's
+        reference (golden after, the fault matrix, the analysis) and is written to
+        `golden.recorded.yaml` in the run folder, the file to pin."""
+        assert self.golden is not None
+        got = {r["name"]: r["token_hash"] for r in recorded}
+        given = {c.name: c.token_hash for c in self.golden.cases}
+        changed = sorted(n for n, h in got.items() if given.get(n) not in (None, h))
+        pinned = self.golden.model_copy(
+            update={"cases": [c.model_copy(update={"token_hash": got[c.name]})
+                              for c in self.golden.cases]}
+        )  # fmt: skip
+        path = self.run_dir / GOLDEN_RECORDED
+        head = (f"# recorded by calculet-load accept --record-golden, run "
+                f"{self.manifest.run_id}, target {self.url}, from {self.o.golden}\n")  # fmt: skip
+        doc = pinned.model_dump(by_alias=True, exclude_none=True)
+        path.write_text(head + yaml.safe_dump(doc, sort_keys=False, width=200))
+        self.golden, self.golden_file = pinned, str(path)
+        self._write_golden_json()
+        self.log.write("golden_before", "pinned", file=GOLDEN_RECORDED, cases=len(got),
+                       changed=changed)  # fmt: skip
+        self.notes.append(
+            f"golden: --record-golden: {len(got)} hash(es) recorded, not checked, in "
+            f"{path}; golden after was checked against them"
+            + (f"; differ from {self.o.golden}: {', '.join(changed)}" if changed else "")
+        )
 
     # --------------------------------------------------------------- 3b cross-talk
     def _crosstalk(self) -> StepResult:
@@ -514,9 +628,7 @@ class Pipeline:
         cells = []
         for i in order:
             c = self.cells[i]
-            reps = self.matrix.repetitions_for(c)
-            if self.o.min_repetitions is not None:
-                reps = min(reps, self.o.min_repetitions)
+            reps = self._repetitions(c)
             cells.append(
                 {"name": c.name, "index": i, "repetitions": reps, "status": "pending",
                  "seed": self.o.seed * 1_000_003 + i}
@@ -529,7 +641,8 @@ class Pipeline:
             "options": {
                 k: v for k, v in vars(self.o).items() if k not in ("admin_token", "analysis")
             },
-            "below_minimum_repetitions": self.o.min_repetitions is not None,
+            "below_minimum_repetitions": any(self._below_minimum(c) for c in self.cells),
+            "rehearsal": self.manifest.rehearsal,
             "cells": cells,
             "excluded": [],
         }

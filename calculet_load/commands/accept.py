@@ -36,12 +36,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rules", help="acceptance rules YAML (default: configs/acceptance/default.yaml)"
     )
     p.add_argument("--calbin", help="the calbin file: its sha256 must match the manifest")
-    p.add_argument("--idle-window-s", type=float, default=300.0, help="stable window, s")
-    p.add_argument("--idle-timeout-s", type=float, default=1800.0, help="give up waiting, s")
+    p.add_argument(
+        "--idle-window-s", type=float,
+        help="§8.2 idle sampling: the window the device must be stable over, s (default: "
+        "the rules file's idle.window_s, 300)",
+    )  # fmt: skip
+    p.add_argument(
+        "--idle-timeout-s", type=float,
+        help="§8.2: not stable after this long, s: exit 3 naming the series (default: the "
+        "rules file's idle.timeout_s, 1800)",
+    )  # fmt: skip
     p.add_argument("--idle-gap-s", type=float, default=2.0, help="pause between cells, s")
     p.add_argument(
         "--min-repetitions", type=int,
-        help="rehearsals only: cap repetitions per cell below §8's 30/100 (flagged in the plan)",
+        help="cap the repetitions per cell; below §8's 30 (100 for short cases) only when "
+        "the manifest's purpose says rehearsal (exit 2 otherwise)",
+    )  # fmt: skip
+    p.add_argument(
+        "--record-golden", action="store_true",
+        help="record the golden set's token hashes from this run instead of checking them "
+        "against the file's (golden before); golden after and the fault matrix check "
+        "against the recorded ones; RUN_DIR/golden.recorded.yaml is the set to pin",
     )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--skip-report", action="store_true", help="no HTML report")
@@ -86,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     if args.workers and args.master:
         print("accept: --workers (local) and --master (remote) exclude each other", file=sys.stderr)
         return EXIT_INVALID
+    if args.record_golden and not args.golden:
+        print("accept: --record-golden needs --golden (the set whose hashes to record)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INVALID
     matrix = args.matrix
     if matrix is None:
         try:
@@ -108,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout_s,
         idle_gap_s=args.idle_gap_s,
         min_repetitions=args.min_repetitions,
+        record_golden=args.record_golden,
         resume=args.resume,
         skip_report=args.skip_report,
         crosstalk_concurrency=args.crosstalk_concurrency,

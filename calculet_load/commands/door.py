@@ -12,6 +12,7 @@ __all__ = ["analysis_door"]
 
 def analysis_door() -> AnalysisDoor:
     from analysis.cli import analyze_run
+    from analysis.judge.idle import idle_criterion
     from analysis.judge.resources import leak_segments
     from analysis.report import write_report
     from analysis.sign import sign_run
@@ -24,6 +25,7 @@ def analysis_door() -> AnalysisDoor:
         leak_segments=leak_segments,
         joined_records=_joined_records,
         theil_sen=theil_sen,
+        idle_criterion=idle_criterion,
     )
 
 

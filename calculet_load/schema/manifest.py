@@ -19,6 +19,15 @@ from calculet_load.schema.profiles import ProfileName
 
 MANIFEST_SCHEMA = "calculet-perf-run/v1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+REHEARSAL_BANNER = "rehearsal: not an acceptance"
+_REHEARSAL = re.compile(r"\brehears", re.IGNORECASE)
+
+
+def is_rehearsal(purpose: str | None) -> bool:
+    """Whether a manifest's `purpose` says rehearsal ("rehearsal", "rehearse", any case):
+    such a run may go below spec §8's repetitions, and its verdict and report say
+    REHEARSAL_BANNER. The one test of it (accept, the analysis, the report)."""
+    return bool(purpose and _REHEARSAL.search(purpose))
 
 
 class _Section(BaseModel):
@@ -176,6 +185,11 @@ class RunManifest(_Section):
     timeout_s: float = Field(default=900, gt=0)
     maintenance: Maintenance | None = None
     batch: Batch | None = None
+
+    @property
+    def rehearsal(self) -> bool:
+        """The purpose says rehearsal (is_rehearsal): not an acceptance."""
+        return is_rehearsal(self.purpose)
 
 
 class ManifestError(ValueError):

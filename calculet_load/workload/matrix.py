@@ -6,6 +6,7 @@ A matrix file is YAML, validated here (`calculet-load schema matrix`):
     name: smoke
     repetitions: 30              # measured requests per cell (spec §8: >= 30)
     short_repetitions: 100       # ... for short cells (spec §8: >= 100)
+                                 # (a burst cell sends size × rounds: its repetitions)
     cells:
       - {name: single-128-32, kind: single, prompt_tokens: 128, max_tokens: 32}
       - {kind: single, grid: {prompt_tokens: [128, 1024], max_tokens: [1, 32, 256],
@@ -39,6 +40,8 @@ from calculet_load.configfile import read_yaml, validate
 MATRIX_SCHEMA = "calculet-matrix/v1"
 SHORT_PROMPT = 512  # a cell is "short" (spec §8: 100 repetitions) at or below these sizes
 SHORT_OUTPUT = 32
+MIN_REPETITIONS = 30  # spec §8.6: at least 30 repetitions per case ...
+MIN_SHORT_REPETITIONS = 100  # ... and 100 for short cases
 
 
 class MatrixError(ValueError):
@@ -125,9 +128,22 @@ class Matrix(BaseModel):
         return out
 
     def repetitions_for(self, cell: Cell) -> int:
+        """The requests the cell sends: a burst cell's `size` × `rounds`; otherwise its own
+        `repetitions`, else the matrix's (`short_repetitions` for a short cell)."""
+        if cell.kind == "burst":
+            return cell.size * cell.rounds
         if cell.repetitions is not None:
             return cell.repetitions
         return self.short_repetitions if cell.short else self.repetitions
+
+
+def minimum_repetitions(cell: Cell) -> int | None:
+    """Spec §8.6: the fewest repetitions an acceptance may give the cell, 100 for a short
+    case (prompt <= SHORT_PROMPT and output <= SHORT_OUTPUT tokens) and 30 otherwise;
+    None for a boundary cell (a test of the overflow policy, not a measurement)."""
+    if cell.kind == "boundary":
+        return None
+    return MIN_SHORT_REPETITIONS if cell.short else MIN_REPETITIONS
 
 
 def _name(c: Cell) -> str:

@@ -185,6 +185,7 @@ PIPELINE_API = {
         "resource_series",
     ],
     "tables.summary": ["SUMMARY_SCHEMA", "summary_table"],
+    "judge.idle": ["SERIES_UNITS", "IdleCheck", "IdleCriterion", "idle_criterion"],
     "judge.rules": [
         "BOUNDARY_CELLS",
         "DEFAULT_RULES",
@@ -201,6 +202,8 @@ PIPELINE_API = {
         "DeviceLimitsRule",
         "ErrorRateRule",
         "GoldenRule",
+        "IdleRules",
+        "IdleSeries",
         "ImprovementSpec",
         "InfrastructureRules",
         "LeakRule",

@@ -121,6 +121,13 @@ def test_a_clean_run_follows_the_section_8_order_and_exits_0(
     }
     verdict = read_verdict(run_dir)
     assert verdict["exit_code"] == 0 and verdict["status"] == "pass"
+    # the simulator manifest's purpose says rehearsal: so do the verdict and the report
+    assert verdict["rehearsal"] is True and verdict["banner"] == "rehearsal: not an acceptance"
+    if (run_dir / "report.html").exists():
+        assert (
+            '<p class="rehearsal" data-rehearsal="true">rehearsal: not an acceptance</p>'
+            in (run_dir / "report.html").read_text()
+        )
     assert verdict["run"]["joined"] == verdict["run"]["records"]
     status = {v["rule"]: v["status"] for v in verdict["verdicts"]}
     for rule in ("index_complete", "clock_complete", "golden", "error_rate", "token_counts"):
@@ -529,6 +536,12 @@ def test_the_demo_ends_with_a_signed_report(
     if (run_dir / "report.html").exists():  # analysis/report.py may not be in this build
         assert f"report:     {(run_dir / 'report.html').resolve()}" in out
     assert read_verdict(run_dir)["exit_code"] == expected
+    # a short, labelled rehearsal (spec §8): never taken for an acceptance
+    assert read_verdict(run_dir)["banner"] == "rehearsal: not an acceptance"
+    if (run_dir / "plan.json").exists():  # (a golden stop comes before the plan)
+        assert read_plan(run_dir)["rehearsal"] is True
+    if (run_dir / "report.html").exists():
+        assert ">rehearsal: not an acceptance</p>" in (run_dir / "report.html").read_text()
     assert read_events(run_dir)[-1] == {**read_events(run_dir)[-1], "step": "run", "code": expected}
     assert_bundle_verifies(run_dir, runs / "demo-signing-key.pem.pub")
     assert not list(runs.glob(".*"))  # the simulator's traces and manifest were cleaned up
@@ -542,26 +555,30 @@ PROMPTS = [1, 16, 17, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 40959]
 
 def test_the_section_6_1_matrix_expands_to_every_cell() -> None:
     """12 prompt sizes × outputs 1/32/256 × greedy/seeded × stream true/false, except
-    that prompt 40959 with output > 1 does not fit the 40960 context: its two cases are
-    boundary cells (judged by the rejection/truncation policy), not performance cells."""
+    that prompt 40959 with output > 1 does not fit the 40960 context: its cases are
+    boundary cells (judged by the rejection/truncation policy), not performance cells,
+    crossed with sampling × stream like every other cell (issue 19 item 5)."""
     m = load_matrix(SINGLE)
     cells = m.expanded()
     perf = [c for c in cells if c.kind == "single"]
     boundary = [c for c in cells if c.kind == "boundary"]
     assert len(perf) == 11 * 3 * 2 * 2 + 1 * 1 * 2 * 2 == 136
-    assert len(boundary) == 2 and len(cells) == 138
-    combos = {(c.prompt_tokens, c.max_tokens, c.temperature, c.stream) for c in perf}
-    expected = {
+    assert len(boundary) == 2 * 2 * 2 == 8 and len(cells) == 144
+    everything = {
         (p, o, t, s)
         for p in PROMPTS
         for o in (1, 32, 256)
         for t in (0.0, 0.7)
         for s in (True, False)
-        if p + o <= 40960
     }
-    assert combos == expected
-    assert {(c.prompt_tokens, c.max_tokens) for c in boundary} == {(40959, 32), (40959, 256)}
-    assert len({c.name for c in cells}) == 138
+    combos = {(c.prompt_tokens, c.max_tokens, c.temperature, c.stream) for c in perf}
+    assert combos == {(p, o, t, s) for p, o, t, s in everything if p + o <= 40960}
+    edges = {(c.prompt_tokens, c.max_tokens, c.temperature, c.stream) for c in boundary}
+    assert edges == {(p, o, t, s) for p, o, t, s in everything if p + o > 40960}
+    assert combos | edges == everything  # the §6.1 grid, whole, each case once
+    assert len({c.name for c in cells}) == 144
+    assert all(c.name.startswith("boundary") for c in boundary)
+    assert {c.sampling for c in boundary} == {"greedy", "seeded"}
     assert all(c.concurrency == 1 for c in cells)
     reps = {c.name: m.repetitions_for(c) for c in cells}
     for c in perf:  # spec §8: 100 repetitions for short cells, 30 otherwise

@@ -69,11 +69,16 @@ def test_a_boundary_cell_name_marks_its_kind() -> None:
 
 
 def _edge_matrix(tmp: Path) -> Path:
+    """One performance cell and the §6.1 boundary case crossed with sampling × stream."""
     cells = [
         {"kind": "single", "prompt_tokens": 128, "max_tokens": 16},
-        {"kind": "boundary", "prompt_tokens": 40959, "max_tokens": 32, "repetitions": 3},
-    ]
+        {"kind": "boundary", "prompt_tokens": 40959, "max_tokens": 32, "repetitions": 3,
+         "grid": {"temperature": [0.0, 0.7], "stream": [True, False]}},
+    ]  # fmt: skip
     return write_matrix(tmp, cells, name="edge", reps=5)
+
+
+EDGES = [EDGE, f"{EDGE}-seeded", f"{EDGE}-nostream", f"{EDGE}-seeded-nostream"]
 
 
 @pytest.mark.parametrize(
@@ -89,9 +94,10 @@ def test_the_boundary_case_is_judged_by_the_overflow_policy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The simulator refuses (400, context_length_exceeded) or truncates (finish reason
-    length, 40959 + 1 tokens) a prompt of 40959 with max_tokens 32. Under the default
-    rules (policy reject) the refusals pass and are no errors; truncation fails the
-    boundary rule alone (exit 1), and passes under `policy: truncate`."""
+    length, 40959 + 1 tokens) a prompt of 40959 with max_tokens 32, greedy or seeded,
+    streamed or not. Under the default rules (policy reject) the refusals pass and are no
+    errors; truncation fails the boundary rule alone (exit 1), and passes under
+    `policy: truncate`. Each sampling × stream case is its own cell with its own verdict."""
     sim = accept_sim(
         start_sim, "--set", f"scheduling.context_overflow={overflow}", scale="0.02", profile=None
     )
@@ -100,42 +106,61 @@ def test_the_boundary_case_is_judged_by_the_overflow_policy(
     )
     doc = read_verdict(run_dir)
     verdicts = {v["rule"]: v for v in doc["verdicts"]}
-    edge = verdicts[f"boundary_policy.{EDGE}"]
     failed = sorted(v["rule"] for v in doc["verdicts"] if v["status"] == "fail")
     assert verdicts["error_rate"]["status"] == "pass", verdicts["error_rate"]
-    assert edge["n"] == 3 and edge["class"] == "correctness"
-    (row,) = doc["boundary"]["cells"]
-    assert row["cell"] == EDGE and row["records"] == row["over_context"] == 3
+    rows = {row["cell"]: row for row in doc["boundary"]["cells"]}
+    assert sorted(rows) == sorted(EDGES)
+    # the records carry the cell's sampling and stream: the cells really differ
+    table, _ = apply_quality(load_run(str(run_dir)))
+    sent = {
+        (cell, stream, seed is not None)
+        for cell, stream, seed in zip(
+            table.column("ext.cell").to_pylist(),
+            table.column("workload.stream").to_pylist(),
+            table.column("workload.seed").to_pylist(),
+            strict=True,
+        )
+        if cell.startswith(EDGE)
+    }
+    assert sent == {(n, "nostream" not in n, "seeded" in n) for n in EDGES}
+    for name in EDGES:
+        edge = verdicts[f"boundary_policy.{name}"]
+        assert edge["n"] == 3 and edge["class"] == "correctness"
+        assert rows[name]["records"] == rows[name]["over_context"] == 3
     # in verdict.json's cells (unless this loaded machine's self-watch excluded all three
     # as client_saturated: the policy is judged on every answered request regardless),
     # never in the statistics
-    cells = [c for c in doc["cells"] if c["cell"].startswith(f"{EDGE}|")]
+    cells = [c for c in doc["cells"] if c["cell"].startswith(EDGE)]
     assert all(c["boundary"] is True for c in cells)
     summary = pq.read_table(run_dir / "summary.parquet").column("cell_name").to_pylist()
-    assert EDGE not in summary
+    assert not set(EDGES) & set(summary)
     assert_bundle_verifies(run_dir, accept_env)
     if overflow == "reject":
         assert code == doc["exit_code"] == 0, failed
-        assert edge["status"] == "pass" and edge["observed"] == 1.0, edge
-        assert row["http_status"] == {"400": 3} and row["error_class"] == {"http_4xx": 3}
-        assert row["error_code"] == {"context_length_exceeded": 3}
+        for name in EDGES:
+            edge, row = verdicts[f"boundary_policy.{name}"], rows[name]
+            assert edge["status"] == "pass" and edge["observed"] == 1.0, edge
+            assert row["http_status"] == {"400": 3} and row["error_class"] == {"http_4xx": 3}
+            assert row["error_code"] == {"context_length_exceeded": 3}
         assert all(c["errors"] == c["records"] for c in cells)
         html = (run_dir / "report.html").read_text()
-        (shown,) = _table_rows(html, "boundary")
-        assert shown[:3] == [EDGE, "pass", "3"], shown
+        shown = {r[0]: r[1:3] for r in _table_rows(html, "boundary")}
+        assert shown == {name: ["pass", "3"] for name in EDGES}, shown
         return
     assert code == doc["exit_code"] == 1
-    assert failed == [f"boundary_policy.{EDGE}"]
-    assert edge["status"] == "fail" and "accepted" in edge["reason"], edge
-    assert (row["accepted"], row["max_output_tokens"]) == (3, 1)
-    assert row["finish_reason"] == {"length": 3}
+    assert failed == sorted(f"boundary_policy.{n}" for n in EDGES)
+    for name in EDGES:
+        edge, row = verdicts[f"boundary_policy.{name}"], rows[name]
+        assert edge["status"] == "fail" and "accepted" in edge["reason"], edge
+        assert (row["accepted"], row["max_output_tokens"]) == (3, 1)
+        assert row["finish_reason"] == {"length": 3}
     # the same records, judged under the truncation policy: exit 0
     capsys.readouterr()
     rules = relaxed_rules(tmp_path, "truncate", {"boundary_policy": {"policy": "truncate"}})
     out_dir = tmp_path / "reanalysed"
     assert main(["analyze", str(run_dir), "--rules", str(rules), "--out", str(out_dir)]) == 0
     again = {v["rule"]: v for v in read_verdict(out_dir)["verdicts"]}
-    assert again[f"boundary_policy.{EDGE}"]["status"] == "pass"
+    assert all(again[f"boundary_policy.{n}"]["status"] == "pass" for n in EDGES)
 
 
 # ------------------------------------------------------------------ full §6.1 matrix
@@ -148,15 +173,15 @@ FULL_SCALE = "0.01"  # 100x faster than the simulated device (docs/simulator.md)
 def test_the_full_section_6_1_matrix_with_its_repetitions(
     tmp_path: Path, start_sim: Callable[..., SimProcess], accept_env: Path
 ) -> None:
-    """configs/matrices/single.yaml as written: 138 cells with their §8 repetitions (100
-    for short cells, 30 otherwise, 3 per boundary cell: 6,886 requests) at time scale
+    """configs/matrices/single.yaml as written: 144 cells with their §8 repetitions (100
+    for short cells, 30 otherwise, 3 per boundary cell: 6,904 requests) at time scale
     0.01. The plan, the records, verdict.json and the report list every cell with its
     repetition count; the boundary cells pass the default overflow policy and the run
     exits 0."""
     m = load_matrix(SINGLE)
     expected = {c.name: m.repetitions_for(c) for c in m.expanded()}
     boundary = {c.name for c in m.expanded() if c.kind == "boundary"}
-    assert len(expected) == 138 and sum(expected.values()) == 6886
+    assert len(expected) == 144 and sum(expected.values()) == 6904
     sim = accept_sim(start_sim, scale=FULL_SCALE, profile=None)
     code, run_dir = _accept(tmp_path, sim, SINGLE, relaxed_rules(tmp_path), None, "single-6-1")
     doc = read_verdict(run_dir)
@@ -195,7 +220,7 @@ def test_the_full_section_6_1_matrix_with_its_repetitions(
         assert verdicts[f"boundary_policy.{name}"]["n"] == expected[name]
 
     # the report: the plan table has every cell with its repetitions and requests, the
-    # cell table every summarized performance cell, the boundary table both edge cells
+    # cell table every summarized performance cell, the boundary table every edge cell
     html = (run_dir / "report.html").read_text()
     plan_rows = {r[1]: (r[2], r[3], r[4]) for r in _table_rows(html, "plan")}
     assert plan_rows == {n: (f"{r:,}", f"{r:,}", "done") for n, r in expected.items()}
