@@ -53,7 +53,6 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SERVER = REPO / "benchmarks" / "exact_server.py"
 REFERENCE = REPO / "benchmarks" / "ref_client.py"
-LOCUSTFILE = REPO / "locustfiles" / "calculet.py"
 RATES = [20, 40, 80, 160, 320, 640]
 CONCURRENCY = [16, 64, 256]
 BUDGET_MS = 10.0  # the issue's bar: TTFT p99 error within 10 ms
@@ -213,11 +212,22 @@ def _cpu(ps: psutil.Process) -> float:
 
 # ------------------------------------------------------------------ clients
 def run_calculet(
-    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None
+    server: ExactServer,
+    p: Point,
+    seconds: float,
+    tmp: Path,
+    core: int | None,
+    tree: Path = REPO,
 ) -> None:
-    run_dir = tmp / f"calculet-{p.mode}-{p.level:g}"
+    """calculet-load's Locust user, from this checkout or another one (`tree`: a
+    baseline, e.g. `git archive COMMIT | tar -x -C DIR`), as a user runs it."""
+    run_dir = tmp / f"{p.client}-{p.mode}-{p.level:g}"
+    env = dict(os.environ)
+    if tree != REPO:
+        env["PYTHONPATH"] = str(tree)  # ahead of this checkout's editable install
     cmd = [
-        *taskset(core), str(BIN / "locust"), "-f", str(LOCUSTFILE), "--headless",
+        *taskset(core), str(BIN / "locust"), "-f", str(tree / "locustfiles" / "calculet.py"),
+        "--headless",
         "-H", server.url, "--protocol", "openai-completions", "--prompt-tokens", "128",
         "--max-tokens", "64", "--run-dir", str(run_dir), "--only-summary",
         "--max-in-flight", "4096", "-t", f"{seconds + 3:g}s", "--stop-timeout", "5",
@@ -227,7 +237,9 @@ def run_calculet(
     else:
         cmd += ["--arrival", "closed", "-u", str(int(p.level)), "-r", str(int(p.level))]
     window = CpuWindow(server)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     window.watch(proc, seconds)
     _, err = proc.communicate(timeout=seconds + 120)
     p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
@@ -437,6 +449,10 @@ def main() -> None:
     ap.add_argument("--peers-dir", default=str(Path.home() / ".cache" / "calculet-load-peers"))
     ap.add_argument("--ttft-ms", type=float, default=50.0)
     ap.add_argument("--itl-ms", type=float, default=10.0)
+    ap.add_argument(
+        "--baseline-tree",
+        help="also run calculet-load from this source tree as client 'baseline' (before/after)",
+    )
     ap.add_argument("--no-pin", action="store_true", help="do not pin server and client")
     ap.add_argument("--json", help="also write every point as JSON to this file")
     args = ap.parse_args()
@@ -447,6 +463,8 @@ def main() -> None:
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     if args.peers:
         clients.append("inference-perf")
+    if args.baseline_tree:
+        clients.insert(clients.index("calculet") if "calculet" in clients else 0, "baseline")
     pin = not args.no_pin and (os.cpu_count() or 1) > 1
     client_core, server_core = (0, 1) if pin else (None, None)
     if pin:
@@ -476,6 +494,9 @@ def main() -> None:
                     server.truth()  # forget anything left over
                     if client == "calculet":
                         run_calculet(server, p, args.seconds, tmp, client_core)
+                    elif client == "baseline":
+                        tree = Path(args.baseline_tree).resolve()
+                        run_calculet(server, p, args.seconds, tmp, client_core, tree)
                     elif client == "reference":
                         run_reference(server, p, args.seconds, tmp, client_core)
                     elif client == "inference-perf" and peer_py is not None:

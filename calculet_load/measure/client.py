@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import platform
+import re
 import select
 import socket
 import ssl
@@ -560,6 +561,87 @@ def _attempt(
     return out
 
 
+class _Reader:
+    """The reads of one response: each bounded by the right timeout, stamped at the byte
+    (the kernel's receive time where it gives one), TLS drained into one read."""
+
+    __slots__ = ("clock", "deadline", "eof", "first", "ns", "out", "sock", "stamps", "t",
+                 "timeouts")  # fmt: skip
+
+    def __init__(
+        self, sock: socket.socket, run: _Run, ns: dict[str, int | None], timeouts: Timeouts,
+        deadline: int,
+    ) -> None:  # fmt: skip
+        self.sock, self.ns, self.timeouts, self.deadline = sock, ns, timeouts, deadline
+        self.clock = run.clock
+        self.out = run.out
+        self.t = 0  # the stamp of the last read
+        self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
+        self.eof = False
+        # the kernel's receive times, on a plain socket read against the system clock
+        self.stamps = (
+            _CMSG_SPACE > 0
+            and type(self.clock) is SystemClock
+            and not isinstance(sock, ssl.SSLSocket)
+        )
+
+    def read(self) -> tuple[bytes, bool]:
+        """The next bytes (b"": the peer closed) and whether the peer closed after them."""
+        clock, out, sock = self.clock, self.out, self.sock
+        now = clock.mono_ns()
+        if now >= self.deadline:
+            raise _Fail("total_timeout", "total timeout reached")
+        # Any byte ends the first-byte wait, a partial status line included.
+        limit, kind = (
+            (self.timeouts.idle_s, "idle_timeout")
+            if self.first
+            else (self.timeouts.first_byte_s, "first_byte_timeout")
+        )
+        remaining = (self.deadline - now) / 1e9
+        if remaining < limit:
+            limit, kind = remaining, "total_timeout"
+        sock.settimeout(max(limit, 0.001))
+        kernel = None
+        floor = max(self.t, self.ns["t1"] or self.ns["t0"] or 0)  # not before the last stamp
+        try:
+            if self.stamps:
+                data, anc, _, _ = sock.recvmsg(65536, _CMSG_SPACE)
+                t = clock.mono_ns()  # stamp at the byte, before any parsing
+                kernel = _kernel_ns(anc, t, clock.wall_ns(), floor)
+            else:
+                data = sock.recv(65536)
+                t = clock.mono_ns()  # stamp at the byte, before any parsing
+        except (TimeoutError, gsocket.timeout):
+            raise _Fail(kind, f"no bytes for {limit:.3f} s") from None
+        except OSError as exc:
+            out.unanswered = not self.first
+            raise _Fail("connection_reset", str(exc)) from None
+        closed = False
+        if data and isinstance(sock, ssl.SSLSocket):
+            data, closed = _tls_drain(sock, data)
+        if kernel is not None:
+            # The kernel's receive time: what the bytes waited for this read (the loop's
+            # lag, other streams' parsing) is not in the figures; it is kept as the
+            # request's read wait, the client's self-check.
+            wait = t - kernel
+            if out.read_wait_ns is None or wait > out.read_wait_ns:
+                out.read_wait_ns = wait
+            t = kernel
+            out.stamp_source = "kernel"
+        elif data:
+            out.stamp_source = "read"
+            # Let every other stream whose bytes are already here take its stamp before
+            # this one spends time parsing: without this, when N streams' tokens land
+            # together the last one is stamped after N-1 parses (measured in
+            # benchmarks/timing_accuracy.py, the '@b16' level).
+            gevent.sleep(0)
+        self.t = t
+        if len(self.first) < 5:
+            self.first += data[: 5 - len(self.first)]
+        self.eof = not data or closed
+        return data, closed
+
+
 def _read(
     sock: socket.socket,
     conn: h11.Connection,
@@ -570,15 +652,10 @@ def _read(
     cancel: CancelAt,
 ) -> bool:
     """Read the response; returns whether the connection may be reused."""
-    clock = run.clock
     out = run.out
     status = 0
     is_sse = False
-    t = 0
-    first = b""  # the response's first bytes (up to 5): is it HTTP at all?
-    eof = False
-    # the kernel's receive times, on a plain socket read against the system clock
-    stamps = _CMSG_SPACE > 0 and type(clock) is SystemClock and not isinstance(sock, ssl.SSLSocket)
+    rd = _Reader(sock, run, ns, timeouts, deadline)
     while True:
         try:
             event = conn.next_event()
@@ -586,67 +663,19 @@ def _read(
             # h11 also raises when the peer closes before the message is complete (inside
             # the head, a Content-Length or a chunked body): that is a connection closed
             # mid-response, not bad HTTP, unless what did come cannot start a status line.
-            if eof and not first:
+            if rd.eof and not rd.first:
                 out.unanswered = True
                 raise _Fail("connection_reset", "closed before any response byte") from None
-            if eof and (ns["t2"] is not None or b"HTTP/".startswith(first)):
+            if rd.eof and (ns["t2"] is not None or b"HTTP/".startswith(rd.first)):
                 raise _Fail("connection_reset", f"closed mid-response: {exc}") from None
             raise _Fail("malformed_http", str(exc)) from None
         if event is h11.NEED_DATA:
-            now = clock.mono_ns()
-            if now >= deadline:
-                raise _Fail("total_timeout", "total timeout reached")
-            # Any byte ends the first-byte wait, a partial status line included.
-            limit, kind = (
-                (timeouts.idle_s, "idle_timeout")
-                if first
-                else (timeouts.first_byte_s, "first_byte_timeout")
-            )
-            remaining = (deadline - now) / 1e9
-            if remaining < limit:
-                limit, kind = remaining, "total_timeout"
-            sock.settimeout(max(limit, 0.001))
-            kernel = None
-            floor = max(t, ns["t1"] or ns["t0"] or 0)  # no stamp before the last one
-            try:
-                if stamps:
-                    data, anc, _, _ = sock.recvmsg(65536, _CMSG_SPACE)
-                    t = clock.mono_ns()  # stamp at the byte, before any parsing
-                    kernel = _kernel_ns(anc, t, clock.wall_ns(), floor)
-                else:
-                    data = sock.recv(65536)
-                    t = clock.mono_ns()  # stamp at the byte, before any parsing
-            except (TimeoutError, gsocket.timeout):
-                raise _Fail(kind, f"no bytes for {limit:.3f} s") from None
-            except OSError as exc:
-                out.unanswered = not first
-                raise _Fail("connection_reset", str(exc)) from None
-            closed = False
-            if data and isinstance(sock, ssl.SSLSocket):
-                data, closed = _tls_drain(sock, data)
-            if kernel is not None:
-                # The kernel's receive time: what the bytes waited for this read (the
-                # loop's lag, other streams' parsing) is not in the figures; it is kept
-                # as the request's read wait, the client's self-check.
-                wait = t - kernel
-                if out.read_wait_ns is None or wait > out.read_wait_ns:
-                    out.read_wait_ns = wait
-                t = kernel
-                out.stamp_source = "kernel"
-            elif data:
-                out.stamp_source = "read"
-                # Let every other stream whose bytes are already here take its stamp
-                # before this one spends time parsing: without this, when N streams'
-                # tokens land together the last one is stamped after N-1 parses
-                # (measured in benchmarks/timing_accuracy.py, the '@b16' level).
-                gevent.sleep(0)
-            if len(first) < 5:
-                first += data[: 5 - len(first)]
-            eof = not data or closed
+            data, closed = rd.read()
             conn.receive_data(data)
             if closed:
                 conn.receive_data(b"")
             continue
+        t = rd.t
         if isinstance(event, h11.Response):
             ns["t2"] = t
             status = out.http_status = event.status_code
@@ -663,13 +692,17 @@ def _read(
                 )
             if 200 <= status < 300 and run.stream and not is_sse:
                 raise _Fail("protocol_violation", f"stream requested, got content type {ctype!r}")
+            if is_sse and 200 <= status < 300 and _header(event.headers, b"transfer-encoding"):
+                # h11 accepts no transfer coding but chunked: the event stream's body is
+                # read on the fast path below (h11's per-chunk events and state machine
+                # cost a sixth of a worker's CPU per token event, measured with py-spy)
+                leftover, _ = conn.trailing_data
+                return _read_chunked(rd, _Chunked(leftover), run, status, cancel)
         elif isinstance(event, h11.InformationalResponse):
             continue
         elif isinstance(event, h11.Data):
             if is_sse and 200 <= status < 300:
-                if run.on_sse(event.data, t, cancel):
-                    out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
-                    raise _Fail("cancelled", f"cancelled at {out.cancelled_at}")
+                _feed_sse(run, event.data, t, cancel)
             else:
                 run.body += event.data
                 if len(run.body) > 64 * 2**20:
@@ -680,6 +713,124 @@ def _read(
             return conn.our_state is h11.DONE and conn.their_state is h11.DONE
         elif isinstance(event, h11.ConnectionClosed):
             raise _Fail("connection_reset", "connection closed before the response ended")
+
+
+def _feed_sse(run: _Run, data: bytes, t: int, cancel: CancelAt) -> None:
+    if run.on_sse(data, t, cancel):
+        out = run.out
+        out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+        raise _Fail("cancelled", f"cancelled at {out.cancelled_at}")
+
+
+def _read_chunked(rd: _Reader, body: _Chunked, run: _Run, status: int, cancel: CancelAt) -> bool:
+    """A chunked event stream's body, after h11 read the head: the bytes already read
+    first, then each read's chunks, decoded as h11 decodes them, to the last chunk."""
+    data = b""
+    closed = False
+    while True:
+        try:
+            chunk = body.feed(data)
+        except ValueError as exc:
+            raise _Fail("malformed_http", str(exc)) from None
+        if chunk:
+            _feed_sse(run, chunk, rd.t, cancel)
+        if body.done:
+            rd.ns["t6"] = rd.t
+            _finish(run, status, rd.t)
+            return not body.rest and not closed
+        if closed or (rd.eof and not data):
+            raise _Fail(
+                "connection_reset",
+                "closed mid-response: peer closed connection without sending complete "
+                "message body (incomplete chunked read)",
+            )
+        data, closed = rd.read()
+
+
+_CHUNK_HEADER = re.compile(rb"(?P<size>[0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
+_TRAILER_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+:.*")
+_MAX_INCOMPLETE = 16 * 1024  # h11's limit on a head, chunk header or trailer
+
+
+class _Chunked:
+    """HTTP/1.1 chunked transfer decoding (RFC 9112 §7.1) as h11 0.14-0.16 decodes it:
+    chunk-size in 1-20 hex digits, extensions ignored, each chunk's data followed by
+    CRLF, trailer lines after the last chunk up to a blank line, at most 16 KiB of an
+    unfinished header or trailer. A violation raises ValueError with h11's message."""
+
+    __slots__ = ("discard", "done", "error", "left", "rest", "trailer")
+
+    def __init__(self, rest: bytes) -> None:
+        self.rest = rest  # bytes received and not decoded yet
+        self.left = 0  # data bytes left in the current chunk
+        self.discard = b""  # the CRLF after a chunk's data, still to come
+        self.trailer = False
+        self.done = False
+        self.error: ValueError | None = None  # raised by the next feed (see below)
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes `data` completes (after what was held back). A violation after
+        some body bytes returns those first and raises at the next call, as h11 hands
+        over each chunk's data before it reads what follows."""
+        if self.error is not None:
+            raise self.error
+        out: list[bytes] = []
+        try:
+            self._decode(self.rest + data if self.rest else data, out)
+        except ValueError as exc:
+            if not out:
+                raise
+            self.error = exc
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _decode(self, buf: bytes, out: list[bytes]) -> None:
+        pos, n = 0, len(buf)
+        while pos < n and not self.done:
+            if self.discard:
+                take = buf[pos : pos + len(self.discard)]
+                if take != self.discard[: len(take)]:
+                    raise ValueError(
+                        f"malformed chunk footer: {take!r} (expected {self.discard!r})"
+                    )
+                self.discard = self.discard[len(take) :]
+                pos += len(take)
+                continue
+            if self.trailer:
+                if buf.startswith(b"\r\n", pos) or buf.startswith(b"\n", pos):
+                    pos += 2 if buf[pos] == 0x0D else 1
+                    self.done = True
+                    break
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    break
+                for line in buf[pos:end].split(b"\r\n"):
+                    if not _TRAILER_LINE.fullmatch(line):
+                        raise ValueError(f"illegal header line: {line!r}")
+                pos = end + 4
+                self.done = True
+                break
+            if self.left == 0:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                line = buf[pos : eol + 2]
+                m = _CHUNK_HEADER.fullmatch(line)
+                if m is None:
+                    raise ValueError(f"illegal chunk header: {line!r}")
+                pos = eol + 2
+                self.left = int(m["size"], 16)
+                if self.left == 0:
+                    self.trailer = True
+                continue
+            size = min(self.left, n - pos)
+            out.append(buf[pos : pos + size])
+            pos += size
+            self.left -= size
+            if self.left == 0:
+                self.discard = b"\r\n"
+        self.rest = buf[pos:]
+        if not self.done and (self.left == 0 or self.trailer) and len(self.rest) > _MAX_INCOMPLETE:
+            raise ValueError("Receive buffer too long")
 
 
 # Linux: SO_TIMESTAMPNS asks the kernel for each read's receive time (CLOCK_REALTIME, of
