@@ -88,6 +88,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("e2e_from_intended_ms", "ext.e2e_from_intended_ms", "t6 − intended start (open loop)"),
     Metric("send_lag_ms", "ext.send_lag_ms", "t0 − intended start, every sent request", False),
     Metric("server_queue_ms", "server_ms.queue", "first job_prepared − accepted (server trace)"),
+    # spec §10.1: the queue's two waits apart (analysis.tables.join)
+    Metric("slot_wait_ms", "join.slot_wait_ms", "slot_assigned − accepted (server trace)"),
+    Metric("admission_wait_ms", "join.admission_wait_ms", "admitted − slot_assigned (server)"),
     Metric("unattributed_ttft_ms", "join.unattributed_ttft_ms", "TTFT − (first flush − accepted)"),
 )
 _ALWAYS = ("ttft_ms", "tpot_ms", "e2e_ms")

@@ -58,6 +58,8 @@ METRIC_TITLES = {
     "e2e_ms": "E2E (ms)",
     "itl_ms": "inter-token latency (ms, per token)",
     "server_queue_ms": "server queue (ms)",
+    "slot_wait_ms": "slot wait (ms, accepted → slot assigned)",
+    "admission_wait_ms": "admission wait (ms, slot assigned → admitted)",
     "unattributed_ttft_ms": "unattributed TTFT: client + network (ms)",
     "ttft_from_intended_ms": "TTFT from the intended start (ms, open loop)",
     "e2e_from_intended_ms": "E2E from the intended start (ms, open loop)",

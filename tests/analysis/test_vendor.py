@@ -155,7 +155,12 @@ def test_slot_and_admission_waits_are_apart_from_the_queue(tmp_path: Path) -> No
     assert np.allclose(t.column("join.slot_wait_ms").to_numpy(), 2.0)
     assert np.allclose(t.column("join.admission_wait_ms").to_numpy(), 5.0)
     assert np.allclose(t.column("server_ms.queue").to_numpy(), 9.0)
-    write_outputs(analyze(run), run)
+    result = analyze(run)
+    write_outputs(result, run)
+    [cell] = [c for c in result.document["cells"] if c["partition"] == "measured"]
+    assert cell["p50_ms"]["slot_wait_ms"] == pytest.approx(2.0)
+    assert cell["p50_ms"]["admission_wait_ms"] == pytest.approx(5.0)
+    assert cell["p50_ms"]["server_queue_ms"] == pytest.approx(9.0)
     page = Page(Path(write_report(run)).read_text())
     row = page.tables["slowest"][0]
     assert row[8:11] == ["9.000", "2.000", "5.000"]  # queue, slot wait, admission wait
