@@ -123,7 +123,10 @@ def judge(r: StageResult) -> Judgement:
              f"RSS slope <= {gate:g} MiB/h"
              + (" in each client process (not joined across a restart)" if gaps else ""),
              observed)  # fmt: skip
-    analysis_code, leaks, verdicts = _analysis(r.analysis, r.run_dir, r.rules, notes)
+    analysis_code, judged_doc = _analysis(r.analysis, r.run_dir, r.rules, notes)
+    leaks, verdicts = judged_doc.get("leaks"), list(judged_doc.get("verdicts") or [])
+    if isinstance(judged_doc.get("endurance"), dict):
+        notes.append(endurance_note(judged_doc["endurance"]))
     for name, kinds in STAGE_RULES.items():
         judged = [v for v in verdicts if v.get("kind") in kinds]
         if judged:
@@ -230,22 +233,39 @@ def _rule_condition(verdicts: list[dict[str, Any]]) -> tuple[bool | None, str, d
     return ok, expected, observed
 
 
+def endurance_note(end: dict[str, Any]) -> str:
+    """One line of §13's endurance observations (verdict.json's `endurance`)."""
+    chips = [
+        f"chip {c['chip']} {c['first']} → {c['last']} °C, slope {c['slope']} °C/h ({c['trend']})"
+        for c in (end.get("temperature") or {}).get("chips") or []
+        if c.get("samples")
+    ]
+    frag = end.get("fragmentation") or {}
+    series = [
+        f"{name} {t['first']} → {t['last']} {t['unit']}, slope {t['slope']}/h ({t['trend']})"
+        for name, t in (frag.get("series") or {}).items()
+    ]
+    return (
+        "endurance (§13): temperature: "
+        + ("; ".join(chips) or "no device data")
+        + "; KV fragmentation: "
+        + ("; ".join(series) or "not reported by the target")
+    )
+
+
 def _analysis(
     door: AnalysisDoor | None, run_dir: Path, rules: str | None, notes: list[str]
-) -> tuple[int | None, dict[str, Any] | None, list[dict[str, Any]]]:
-    """`calculet-load analyze` on the run: its exit code, its verdict's leak section and
-    its verdicts."""
+) -> tuple[int | None, dict[str, Any]]:
+    """`calculet-load analyze` on the run: its exit code and its verdict.json ({} when
+    there is none)."""
     result = analyze(door, run_dir, rules=rules, quiet=True)
     if result.outcome is StepOutcome.NOT_AVAILABLE:
         notes.append("analysis: not given to this stage (no analysis door)")
-        return None, None, []
+        return None, {}
     code = int(result.detail["code"])
     verdict = run_dir / "verdict.json"
-    leaks, verdicts = None, []
-    if verdict.exists():
-        doc = json.loads(verdict.read_text())
-        leaks, verdicts = doc.get("leaks"), list(doc.get("verdicts") or [])
-    return code, leaks, verdicts
+    doc = json.loads(verdict.read_text()) if verdict.exists() else {}
+    return code, doc if isinstance(doc, dict) else {}
 
 
 def disk_counts(run_dir: Path, workers: set[str] | None = None) -> dict[str, Any]:

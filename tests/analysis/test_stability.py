@@ -15,7 +15,7 @@ from analysis.analyze import analyze, write_outputs
 from analysis.errors import RulesError
 from analysis.judge.rules import DEFAULT_RULES, load_rules
 from analysis.report import write_report
-from calculet_load.soak.judge import STAGE_RULES, _rule_condition
+from calculet_load.soak.judge import STAGE_RULES, _rule_condition, endurance_note
 from calculet_load.soak.stage import load_stage
 from tests.analysis.runs import MS, WALL0, RunBuilder, device_row, request
 from tests.analysis.test_report import Page
@@ -244,6 +244,11 @@ def test_endurance_reports_temperature_drift_and_fragmentation_trends(tmp_path: 
     assert blocks["trend"] == "falling" and blocks["slope"] == pytest.approx(-20, rel=0.05)
     assert blocks["max"] == 100 and blocks["min"] == 60
     assert frag["series"]["kv_largest_free_extent_tokens"]["trend"] == "flat"
+    note = endurance_note(doc)
+    assert note.startswith("endurance (§13): temperature: chip 0 ")
+    assert "slope 2.0 °C/h (rising)" in note, note
+    # the first and last tenth after the warmup: minutes 12-21 and 111-120
+    assert "kv_free_blocks 94.5 → 61.5 blocks, slope -20.0/h (falling)" in note, note
     write_outputs(analyze(run), run)
     page = Page(Path(write_report(run)).read_text())
     assert page.tables["endurance_temperature"][0][0] == "0"

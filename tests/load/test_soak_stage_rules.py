@@ -51,3 +51,7 @@ def test_a_candidate_rehearsal_is_judged_by_the_stage_rules(
     assert endurance["time_scale"] == 0.02
     assert [ch["chip"] for ch in endurance["temperature"]["chips"]] == [0, 1]
     assert endurance["fragmentation"]["reported"] is False
+    # and the soak says so in its notes
+    notes = json.loads((run / "soak.json").read_text())["notes"]
+    [line] = [n for n in notes if n.startswith("endurance (§13): temperature: chip 0 ")]
+    assert line.endswith("KV fragmentation: not reported by the target"), line
