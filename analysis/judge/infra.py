@@ -7,7 +7,8 @@ Checks (thresholds in the rules file's `infrastructure:` section, None disables 
                       no sink lost a part
     client_saturation share of sent records the self-watch saw saturated
     clock_complete    share of successes with incomplete client stamps
-    network_break     share of sent records inside a declared network break
+    network_break     share of sent records inside a network break, declared or detected
+                      (analysis.tables.netbreaks; a server restart is not one)
     send_lag          open loop: P99 of (actual − intended send time)
 
 Without the data a check needs (a probe has no index, no self-watch) it is
@@ -120,10 +121,12 @@ def _fraction(
 
 def _breaks_seen(breaks: tuple[dict[str, Any], ...]) -> str:
     found = [b for b in breaks if b.get("source") == "detected"]
+    aside = sum(b.get("source") == "server_restart" for b in breaks)
+    also = f"; {aside} interval(s) set aside: the server restarted" if aside else ""
     if not found:
-        return "none detected"
+        return "none detected" + also
     first = found[0]["evidence"][0] if found[0]["evidence"] else found[0]["reason"]
-    return f"{len(found)} detected, first: {first}"
+    return f"{len(found)} detected, first: {first}{also}"
 
 
 def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:

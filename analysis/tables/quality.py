@@ -8,8 +8,9 @@ for one of these reasons, each counted:
     warmup            quality.warmup: a warmup request (§8.4), not measured
     clock_incomplete  a success whose client stamps are incomplete (not quality.clock_complete)
     network_break     the request overlaps a network break: declared (network_breaks.json)
-                      or detected (failed RTT probe rounds, bursts of connection
-                      failures: analysis.tables.netbreaks)
+                      or detected (RTT probe rounds whose connects were lost, bursts
+                      of connect timeouts / unreachable: analysis.tables.netbreaks; an
+                      interval the server's restart explains is not a break)
     client_saturated  the client's self-watch saw loop lag > SATURATED_LAG_MS or CPU >
                       SATURATED_CPU_PERCENT in a sample covering the request
     interrupted_attempt  a record of a cell attempt that plan.json lists under "excluded"
@@ -49,6 +50,7 @@ from analysis.errors import ArtifactError
 from analysis.tables.join import BoolArray, IntArray
 from analysis.tables.load import NetworkBreak, RunData
 from analysis.tables.netbreaks import detect_breaks
+from calculet_load.schema.clocks import to_reference_ns
 from calculet_load.schema.selfwatch import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
 
 __all__ = [
@@ -111,7 +113,8 @@ class QualityReport:
     network_break_records: int
     thresholds: dict[str, float] = field(default_factory=dict)
     selfwatch_warmup_samples: int = 0  # of selfwatch_samples: start-up, not judged
-    # every break, declared and detected, with its evidence and the records it holds
+    # every break, declared and detected, with its evidence and the records it holds;
+    # then the intervals set aside as a server restart (source "server_restart", 0 records)
     network_breaks: tuple[dict[str, object], ...] = ()
 
 
@@ -201,7 +204,7 @@ def _network_breaks(run: RunData, breaks: list[NetworkBreak], counts: list[int])
     workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
     for w, off in run.client_offsets_ns.items():
         offset[workers == w] = off
-    start = anchor - offset
+    start = to_reference_ns(anchor, offset)  # on the reference clock, as the breaks are
     stop = start + np.where(t_ok, end - t0, 0)
     for b in breaks:
         inside = ok & (start <= b.end_wall_ns) & (stop >= b.start_wall_ns)
@@ -254,7 +257,8 @@ def apply_quality(
     success &= ~dropped
     saturated, without = _saturation(run, lag_ms, cpu_percent)
     saturated &= ~dropped
-    breaks = [*run.network_breaks, *detect_breaks(run)]
+    detected = detect_breaks(run)
+    breaks = [*run.network_breaks, *detected.breaks]
     in_break: list[int] = []
     reasons: dict[Reason, BoolArray] = {
         Reason.DROPPED: dropped,
@@ -308,6 +312,7 @@ def apply_quality(
         network_breaks=tuple(
             {**b.model_dump(), "evidence": list(b.evidence), "records": n}
             for b, n in zip(breaks, in_break, strict=True)
-        ),
+        )
+        + tuple(x.to_json() for x in detected.set_aside),
     )
     return table, report

@@ -36,7 +36,7 @@ _STAMPS = (
     ("t5", "last_token", "last generated token"),
     ("t6", "response_end", "response end"),
 )
-_UNREACHABLE = ("connect_refused", "connect_timeout", "tls_verify", "tls_handshake")
+_UNREACHABLE = ("connect_refused", "connect_timeout", "unreachable", "tls_verify", "tls_handshake")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

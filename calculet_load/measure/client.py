@@ -46,12 +46,14 @@ from calculet_load.measure.protocols import (
 )
 from calculet_load.measure.sse import SSELineTooLong, SSEParser
 from calculet_load.schema.access import TargetAccess, access_of
+from calculet_load.schema.netsigns import is_unreachable
 from calculet_load.schema.records import ClientNs, TokenEvent
 
 # The error taxonomy: every failed request carries exactly one of these.
 ERROR_CLASSES: dict[str, str] = {
     "connect_refused": "the target refused the TCP connection",
     "connect_timeout": "no TCP connection within the connect timeout",
+    "unreachable": "no route to the target (host or network unreachable, link down)",
     "connection_reset": "the connection was reset or closed mid-request",
     "first_byte_timeout": "no response byte within the first-byte timeout",
     "idle_timeout": "no bytes between events within the idle timeout",
@@ -490,7 +492,9 @@ def _attempt(
         except (TimeoutError, gsocket.timeout) as exc:
             raise _Fail("connect_timeout", str(exc) or "connect timed out") from None
         except OSError as exc:
-            raise _Fail("connect_refused", str(exc)) from None
+            # no route, a link down: the network's doing (calculet_load.schema.netsigns)
+            kind = "unreachable" if is_unreachable(exc) else "connect_refused"
+            raise _Fail(kind, str(exc)) from None
         sock.settimeout(max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001))
         try:
             sock.sendall(wire)

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.schema.clocks import rtt_summary
+from calculet_load.schema.netsigns import is_unreachable
 from calculet_load.target.api import off_loop
 
 __all__ = ["RttRounds", "measure_round", "rounds_record"]
@@ -70,30 +71,69 @@ def _address(url: str) -> tuple[str, int, bool]:
     return parts.hostname, parts.port or (443 if tls else 80), tls
 
 
+class _SampleFailed(Exception):
+    """One sample failed: `kind` (calculet_load.schema.netsigns.PROBE_FAILURE_KINDS)."""
+
+    def __init__(self, kind: str, exc: BaseException) -> None:
+        super().__init__(f"{kind}: {type(exc).__name__}: {exc}"[:200])
+        self.kind = kind
+
+
+class _Closed(OSError):
+    """The target closed the connection before the /health response headers."""
+
+
+def _connect_kind(exc: OSError) -> str:
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "connect_timeout"
+    if is_unreachable(exc):
+        return "unreachable"
+    return "refused" if isinstance(exc, ConnectionRefusedError) else "connect_error"
+
+
+def _exchange_kind(exc: OSError) -> str:
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "health_timeout"  # connected: the server does not answer, not the network
+    return "reset" if isinstance(exc, ConnectionError | _Closed) else "health_error"
+
+
 def _one(host: str, port: int, tls: bool, clock: Clock, timeout_s: float) -> tuple[int, int | None]:
-    """(connect ns, /health ns or None) of one fresh connection; OSError if it fails."""
+    """(connect ns, /health ns or None) of one fresh connection; _SampleFailed naming how
+    it failed (a TCP connect that timed out or had no route is the network's doing; a
+    refusal, a reset or a /health that never answers is the target's)."""
     t0 = clock.mono_ns()
-    sock = _connect(host, port, timeout_s)
     try:
-        t1 = clock.mono_ns()
-        if tls:
-            return t1 - t0, None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        req = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
-        t2 = clock.mono_ns()
-        sock.sendall(req.encode())
-        got = b""
-        while b"\r\n\r\n" not in got:
-            chunk = sock.recv(4096)
-            if not chunk:
-                raise OSError("connection closed before the /health response headers")
-            got += chunk
-            if len(got) > HEADER_LIMIT:
-                raise OSError("no end of headers in the /health response")
-        t3 = clock.mono_ns()
-        return t1 - t0, t3 - t2
+        sock = _connect(host, port, timeout_s)
+    except OSError as exc:
+        raise _SampleFailed(_connect_kind(exc), exc) from None
+    try:
+        return _exchange(sock, host, port, tls, clock, t0)
+    except OSError as exc:
+        raise _SampleFailed(_exchange_kind(exc), exc) from None
     finally:
         sock.close()
+
+
+def _exchange(
+    sock: socket.socket, host: str, port: int, tls: bool, clock: Clock, t0: int
+) -> tuple[int, int | None]:
+    t1 = clock.mono_ns()
+    if tls:
+        return t1 - t0, None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    req = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+    t2 = clock.mono_ns()
+    sock.sendall(req.encode())
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise _Closed("connection closed before the /health response headers")
+        got += chunk
+        if len(got) > HEADER_LIMIT:
+            raise OSError("no end of headers in the /health response")
+    t3 = clock.mono_ns()
+    return t1 - t0, t3 - t2
 
 
 def measure_round(
@@ -106,9 +146,12 @@ def measure_round(
 ) -> dict[str, Any]:
     """`samples` connect and /health round trips to `url`'s host, one after another.
 
-    Returns {"wall_ns", "end_wall_ns", "samples", "errors", "last_error", "connect":
-    summary, "health": summary}; a failed sample counts in `errors` and adds no round
-    trip (analysis.tables.netbreaks reads rounds that failed as a network break).
+    Returns {"wall_ns", "end_wall_ns", "samples", "errors", "failures", "last_error",
+    "connect": summary, "health": summary}; a failed sample counts in `errors` and, by
+    how it failed, in `failures` (kind -> count,
+    calculet_load.schema.netsigns.PROBE_FAILURE_KINDS), and adds no round trip.
+    analysis.tables.netbreaks reads a round whose connects mostly timed out or had no
+    route as a network break; refusals, resets and a silent /health are the target's.
     """
     if not 0 <= samples <= MAX_SAMPLES:
         raise ValueError(f"samples must be in 0..{MAX_SAMPLES}, got {samples}")
@@ -117,6 +160,7 @@ def measure_round(
     connect: list[int] = []
     health: list[int] = []
     errors = 0
+    failures: dict[str, int] = {}
     last_error: str | None = None
     wall = clock.wall_ns()
     for i in range(samples):
@@ -124,9 +168,10 @@ def measure_round(
             _sleep(gap_s)
         try:
             c, h = _one(host, port, tls, clock, timeout_s)
-        except OSError as exc:
+        except _SampleFailed as exc:
             errors += 1
-            last_error = f"{type(exc).__name__}: {exc}"[:200]
+            failures[exc.kind] = failures.get(exc.kind, 0) + 1
+            last_error = str(exc)
             continue
         connect.append(c)
         if h is not None:
@@ -136,6 +181,7 @@ def measure_round(
         "end_wall_ns": clock.wall_ns(),  # a round of failed samples spans a network break
         "samples": samples,
         "errors": errors,
+        "failures": failures,
         "last_error": last_error,
         "connect": rtt_summary(connect),
         "health": rtt_summary(health),

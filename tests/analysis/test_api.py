@@ -174,7 +174,15 @@ PIPELINE_API = {
         "read_run_files",
     ],
     "tables.quality": ["QUALITY_COLUMNS", "Partition", "QualityReport", "Reason", "apply_quality"],
-    "tables.netbreaks": ["BURST_GAP_NS", "BURST_MIN", "CONNECT_CLASSES", "detect_breaks"],
+    "tables.netbreaks": [
+        "BURST_GAP_NS",
+        "BURST_MIN",
+        "NETWORK_ERROR_CLASSES",
+        "RESTART_AFTER_NS",
+        "Detection",
+        "SetAside",
+        "detect_breaks",
+    ],
     "judge.crosstalk": ["HANDLERS"],
     "judge.resources": [
         "HANDLERS",

@@ -31,6 +31,8 @@ class LocustRun:
     workers: int = 2
     run_time_s: float = 10.0
     locustfile: str = LOCUSTFILE
+    # put before every command, e.g. ["ip", "netns", "exec", NS]: the client elsewhere
+    prefix: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
@@ -48,7 +50,7 @@ class LocustRun:
         return proc
 
     def start(self) -> LocustRun:
-        base = [sys.executable, "-m", "locust", "-f", self.locustfile]
+        base = [*self.prefix, sys.executable, "-m", "locust", "-f", self.locustfile]
         common = ["--headless", "-H", self.host, "--run-dir", str(self.run_dir)]
         common += ["-t", f"{round(self.run_time_s)}s", "--json-file", str(self.json_prefix)]
         if self.workers == 0:

@@ -16,10 +16,6 @@ What it cannot delay: the TCP handshake (the kernel completes it before the rela
 accept), so a client's connect round trip sees only the veth, not `delay-ms`. A /health
 round trip on a fresh connection sees 2 × delay-ms ± jitter-ms plus the server's time.
 
-`--drop-at-s A --drop-for-s B` breaks the path: A seconds after start the relay stops
-listening (a connect is refused) and resets every connection it carries; B seconds later
-it listens on the same port again (issue 19: a network break the analysis must detect).
-
 It prints `PORT <n>` once listening, and exits after `--max-s` seconds whatever happens.
 Threads, not asyncio: a thread's sleep wakes within tens of µs, asyncio's timers up to a
 millisecond late (it rounds the poll timeout), which would add to the delay measured.
@@ -28,11 +24,9 @@ millisecond late (it rounds the poll timeout), which would add to the delay meas
 from __future__ import annotations
 
 import argparse
-import contextlib
 import queue
 import random
 import socket
-import struct
 import sys
 import threading
 import time
@@ -86,23 +80,10 @@ class Relay:
         self.seed = seed
         self.streams: dict[str, Iterator[int]] = {}
         self.lock = threading.Lock()
-        self.live: set[socket.socket] = set()  # client sockets carried now
-
-    def cut(self) -> None:
-        """Reset every connection carried now (SO_LINGER 0: the peer sees RST)."""
-        with self.lock:
-            live, self.live = list(self.live), set()
-        for s in live:
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                # shutdown wakes the pump blocked in recv on it (a bare close would not)
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
 
     def handle(self, client: socket.socket, address: str) -> None:
         with self.lock:
             sign = next(self.streams.setdefault(address, _signs(self.seed, address)))
-            self.live.add(client)
         try:
             server = socket.create_connection(self.to, timeout=5)
             server.settimeout(None)
@@ -128,43 +109,17 @@ def main(argv: list[str]) -> None:
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-s", type=float, default=120.0)
-    p.add_argument("--drop-at-s", type=float, default=None)
-    p.add_argument("--drop-for-s", type=float, default=0.0)
     a = p.parse_args(argv)
     sys.setswitchinterval(0.0005)  # a releasing thread waits at most this for the GIL
     lhost, lport = a.listen.rsplit(":", 1)
     thost, tport = a.to.rsplit(":", 1)
     relay = Relay((thost, int(tport)), a.delay_ms / 1e3, a.jitter_ms / 1e3, a.seed)
     listener = socket.create_server((lhost, int(lport)), backlog=256)
-    port = listener.getsockname()[1]
-    print(f"PORT {port}", flush=True)
+    print(f"PORT {listener.getsockname()[1]}", flush=True)
     # bounded: the relay never outlives its test
     threading.Timer(a.max_s, lambda: __import__("os")._exit(0)).start()
-    up = threading.Event()
-    up.set()
-    if a.drop_at_s is not None:
-
-        def drop() -> None:
-            up.clear()
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept below
-            listener.close()
-            relay.cut()
-            print("DROP", flush=True)
-
-        threading.Timer(a.drop_at_s, drop).start()
-        threading.Timer(a.drop_at_s + a.drop_for_s, up.set).start()
     while True:
-        try:
-            client, addr = listener.accept()
-        except OSError:
-            up.wait()  # the break: listen again on the same port when it ends
-            listener = socket.create_server((lhost, port), backlog=256)
-            print("UP", flush=True)
-            continue
-        if not up.is_set():
-            client.close()
-            continue
+        client, addr = listener.accept()
         threading.Thread(target=relay.handle, args=(client, str(addr[0])), daemon=True).start()
 
 
