@@ -138,22 +138,20 @@ def collect_traces(
     the target to flush its trace files (it flushes periodically); `timeout_s` bounds
     the whole collection (a kind not read by then is an `error`)."""
     t0 = time.monotonic()
-    kinds: dict[str, dict[str, Any]] = {}
     gevent.sleep(settle_s)
     deadline = t0 + max(timeout_s, 0.1)
-    for kind in TRACE_KINDS:
+
+    def fetch(kind: str) -> dict[str, Any]:
         left = deadline - time.monotonic()
         if left <= 0:
-            kinds[kind] = {"status": "error", "reason": f"not read: {timeout_s:g} s spent"}
-            continue
+            return {"status": "error", "reason": f"not read: {timeout_s:g} s spent"}
         try:
             with gevent.Timeout(left):
-                kinds[kind] = _fetch_one(api, run_dir, kind, window, left)
+                return _fetch_one(api, run_dir, kind, window, left)
         except gevent.Timeout:
-            kinds[kind] = {
-                "status": "error",
-                "reason": f"/traces/{kind}: no answer in {left:.1f} s",
-            }
+            return {"status": "error", "reason": f"/traces/{kind}: no answer in {left:.1f} s"}
+
+    kinds = {kind: fetch(kind) for kind in TRACE_KINDS}
     statuses = {k["status"] for k in kinds.values()}
     status: Status
     if "error" in statuses:
@@ -163,17 +161,7 @@ def collect_traces(
     else:
         status = "fetched"
     reasons = [k["reason"] for k in kinds.values() if k.get("reason") and k["status"] != "fetched"]
-    optional: dict[str, dict[str, Any]] = {}
-    for kind in OPTIONAL_KINDS:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            optional[kind] = {"status": "error", "reason": f"not read: {timeout_s:g} s spent"}
-            continue
-        try:
-            with gevent.Timeout(left):
-                optional[kind] = _fetch_one(api, run_dir, kind, window, left)
-        except gevent.Timeout:
-            optional[kind] = {"status": "error", "reason": f"/traces/{kind}: no answer"}
+    optional = {kind: fetch(kind) for kind in OPTIONAL_KINDS}
     return {
         "status": status,
         "reason": "; ".join(reasons) or None,
