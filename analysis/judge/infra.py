@@ -9,7 +9,7 @@ Checks (thresholds in the rules file's `infrastructure:` section, None disables 
     clock_complete    share of successes with incomplete client stamps
     network_break     share of sent records inside a network break, declared or detected
                       (analysis.tables.netbreaks; a server restart is not one)
-    send_lag          open loop: P99 of (actual − intended send time)
+    send_lag          open loop: P99 of (actual − intended send time), stale retries apart
 
 Without the data a check needs (a probe has no index, no self-watch) it is
 `not_evaluated`, which does not make the run invalid.
@@ -135,12 +135,20 @@ def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:
     t = ev.table
     lag = t.column("ext.send_lag_ms")
     open_loop = pc.and_(pc.is_valid(lag), pc.invert(pc.fill_null(t.column("ext.dropped"), False)))
+    # A stale retry (the kept-alive connection was closed or reset under the request:
+    # measure.client) was first sent on schedule; its send is timed from the retry, so
+    # its lag is the dead connection's wait (a server that restarted), not the client's.
+    retry = pc.fill_null(t.column("ext.stale_retry"), False)
+    retries = int(pc.sum(pc.and_(open_loop, retry).cast("int64")).as_py() or 0)
+    open_loop = pc.and_(open_loop, pc.invert(retry))
     values = np.asarray(pc.filter(lag, open_loop).to_numpy(zero_copy_only=False), dtype=float)
     if values.size == 0:
         return _not_evaluated(rid, "no data: no open-loop arrivals", limit)
     p99 = quantile(values, 0.99)
     assert p99 is not None
     seen = f"send lag P99 {p99:.3f} ms over {values.size} arrivals; allowed {limit:g} ms"
+    if retries:
+        seen += f" ({retries} stale retries left out: their first send kept the schedule)"
     if p99 > limit:
         return _v(
             rid,

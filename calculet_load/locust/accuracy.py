@@ -7,7 +7,8 @@ Two figures per cell tell how far behind a process was, from its own records:
                    loop; events that arrived while it waited share the read's stamp, so
                    this bounds how late a TTFT or ITL can be (null with read stamps)
     send_lag_ms    open loop: actual send − the schedule's instant (a late send shifts
-                   the arrival law, and hides queueing from latency-from-send)
+                   the arrival law, and hides queueing from latency-from-send); not of
+                   a stale retry, whose first send kept the schedule
 
 At the end of a Locust run the master adds up every worker's histograms; a cell whose
 P99 of either passes the run's budget (`--accuracy-ms`, 10 ms by default) is named, and
@@ -57,7 +58,10 @@ class Accuracy:
         hists = self._cell(cell_name(record))
         if e.read_wait_ms is not None:
             hists["read_wait_ms"].add(max(e.read_wait_ms, 0.0))
-        if e.send_lag_ms is not None:
+        # A stale retry (its kept-alive connection was closed or reset under it) went out
+        # on schedule the first time; timed from the retry, its lag is the dead
+        # connection's wait (a server that restarted), not the client's.
+        if e.send_lag_ms is not None and not e.stale_retry:
             hists["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
 
     def to_wire(self) -> dict[str, Any]:
