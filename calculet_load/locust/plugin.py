@@ -77,6 +77,7 @@ from calculet_load.schema.access import AccessError, access_from, add_access_arg
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.profiles import PROFILE_NAMES
 from calculet_load.workload.arrivals import ArrivalError, load_replay, unit_gaps
+from calculet_load.workload.dispatch import FailPause
 from calculet_load.workload.mixes import MixError
 
 log = logging.getLogger("calculet_load")
@@ -130,8 +131,9 @@ def _add_options(parser: Any) -> None:
     opt("--max-tokens", type=int, default=32, help="output tokens (without --mix)")
     opt("--max-in-flight", type=int, default=256, help="open loop: in-flight cap per process")
     opt("--late-ms", type=float, default=5.0, help="an arrival sent later than this is late")
-    opt("--accuracy-ms", type=float, default=BUDGET_MS, help="the run's timing budget: a cell "
-        "whose read wait or send lag P99 passes it is named and the run exits 3")  # fmt: skip
+    opt("--accuracy-ms", type=float, default=BUDGET_MS, env_var="LOCUST_ACCURACY_MS",
+        help="the run's timing budget: a cell whose read wait or send lag P99 passes it is "
+        "named and the run exits 3")  # fmt: skip
     opt("--burst-size", type=int, default=8, help="burst: requests fired at one instant")
     opt("--burst-every", type=float, default=0.0, help="burst: period in s (0: one burst)")
     opt("--burst-lead", type=float, default=1.0, help="burst: announce this many s ahead")
@@ -503,8 +505,10 @@ class CalculetUser(User):
             return
         if not w.wait_ready(1.0):  # prompts and connections first: start-up is not load
             return
+        if not hasattr(self, "pause"):
+            self.pause = FailPause()
         try:
-            w.closed_request()
+            w.closed_request(self.pause)
         except (WorkloadError, OSError) as exc:
             log.error("%s: cannot build the request: %s", w.name, exc)
             gevent.sleep(1.0)

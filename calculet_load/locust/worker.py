@@ -44,7 +44,7 @@ from calculet_load.target.api import off_loop
 from calculet_load.target.describe import model_for
 from calculet_load.target.netprobe import measure_round, rounds_record
 from calculet_load.workload.arrivals import RateClock, Schedule, load_replay
-from calculet_load.workload.dispatch import OpenLoop, Sender
+from calculet_load.workload.dispatch import FailPause, OpenLoop, Sender
 from calculet_load.workload.mixes import Mix, MixChooser, load_mix, single
 
 log = logging.getLogger("calculet_load")
@@ -329,12 +329,13 @@ class Worker:
         self.stats.cpu_percent[self.name] = row.cpu_percent
 
     # --- closed loop ----------------------------------------------------------------
-    def closed_request(self) -> None:
+    def closed_request(self, pause: FailPause) -> None:
+        """One closed-loop request of a user; `pause` is that user's (see FailPause)."""
         slots = max(len(self.plan.slots), 1)
         k = self.closed_seq * slots + (self.slot or 0)
         self.closed_seq += 1
         spec = self.spec_for(k, concurrency=self.target_users or None, arrival="closed")
-        self.session.send(spec)
+        pause.after(self.session.send(spec)[1])
 
     # --- open loop --------------------------------------------------------------------
     def start_dispatcher(self) -> None:

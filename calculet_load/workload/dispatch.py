@@ -34,6 +34,7 @@ import gevent.event
 import gevent.pool
 
 from calculet_load.clock import mono_at_wall
+from calculet_load.measure.client import Outcome
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.selfwatch import TIMER_SLACK_S, sleep_until
 from calculet_load.measure.session import RequestSpec, Session
@@ -54,6 +55,31 @@ class FleetError(Exception):
     def __init__(self, message: str, *, infra: bool = True) -> None:
         super().__init__(message)
         self.infra = infra
+
+
+# A closed-loop user's pause after a request the target never answered.
+NO_ANSWER_CLASSES = ("connect_refused", "unreachable")
+FAIL_PAUSE_FIRST_S = 0.05
+FAIL_PAUSE_MAX_S = 1.0
+
+
+class FailPause:
+    """A closed-loop user's pause after a request the target never answered (a refused
+    connect, no route, a connection closed before any byte): without it a user whose
+    target is down sends again as fast as the client can fail (thousands of records a
+    second), and the run's self-watch judges its own client saturated where the target's
+    errors are the finding. It doubles from 50 ms up to 1 s while the target does not
+    answer; any answer (an HTTP error included) ends it. Open loops keep their schedule."""
+
+    def __init__(self) -> None:
+        self.next_s = 0.0
+
+    def after(self, out: Outcome) -> None:
+        if out.error_class in NO_ANSWER_CLASSES or (out.unanswered and out.error_class):
+            self.next_s = min(max(self.next_s * 2, FAIL_PAUSE_FIRST_S), FAIL_PAUSE_MAX_S)
+            gevent.sleep(self.next_s)
+        else:
+            self.next_s = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +346,10 @@ class CellRunner:
         label = share.cell.concurrency
 
         def user() -> None:
+            pause = FailPause()
             for k in keys:
-                self.session.send(self.spec(share, chooser, k, concurrency=label, arrival="closed"))
+                spec = self.spec(share, chooser, k, concurrency=label, arrival="closed")
+                pause.after(self.session.send(spec)[1])
 
         gevent.joinall([gevent.spawn(user) for _ in range(share.users)])
         return share.count

@@ -46,3 +46,33 @@ def test_a_short_run_lasts_its_whole_run_time(
     reached = _stamp(log, "--run-time limit reached")
     # a busy machine only makes the run longer; shorter is the stale clock (ms stamps)
     assert (reached - armed).total_seconds() >= run_time_s - 0.01, log[-3000:]
+
+
+def test_a_closed_loop_against_a_target_that_is_down_pauses_and_is_judged_on_errors(
+    tmp_path: Path,
+) -> None:
+    """Nothing listens on the port: each user pauses after a refused connect (50 ms,
+    doubling to 1 s) instead of failing as fast as the client can, so the run is judged
+    on its errors (Locust exit 1), never as a client that saturated itself (exit 3)."""
+    import pyarrow.parquet as pq
+
+    from tests.llamacpp import tokenizer_path
+    from tests.ports import free_port
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless",
+         "-H", f"http://127.0.0.1:{free_port()}", "--target-profile", "openai",
+         "--protocol", "openai-completions", "--model", "m", "--tokenizer", str(tokenizer_path()),
+         "-u", "2", "-r", "2", "-t", "3s", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=90, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]
+    assert "did not keep up" not in log and "saturated" not in log, log[-3000:]
+    parts = sorted(run_dir.glob("client/*/part-*.requests.parquet"))
+    classes = [c for p in parts for c in pq.read_table(p).column("ext.error_class").to_pylist()]
+    # 2 users x 3 s at 50, 100, 200, 400, 800, 1000 ms pauses: about 12 requests, not
+    # the thousands a hot loop sends
+    assert 4 <= len(classes) <= 30, len(classes)
+    assert set(classes) == {"connect_refused"}
