@@ -96,27 +96,26 @@ class Server:
     def _send(self, s: Stream) -> None:
         k = len(s.sends) + 1
         last = k == s.n
-        obj: dict[str, Any] = {
-            "id": s.id,
-            "object": "text_completion",
-            "created": 0,
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": " w",
-                    "logprobs": None,
-                    "finish_reason": "length" if last else None,
-                }
-            ],
-        }
-        if s.usage:
-            obj["usage"] = {
-                "prompt_tokens": s.prompt,
-                "completion_tokens": k,
-                "total_tokens": s.prompt + k,
-            }
-        events = [b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"]
+        # the event's JSON from a template (json.dumps per token would make this server,
+        # not the client, the bottleneck at 640 req/s)
+        usage = (
+            b',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
+            % (s.prompt, k, s.prompt + k)
+            if s.usage
+            else b""
+        )
+        event = b'data: {"id":"%s","object":"text_completion","created":0,"model":"%s",' % (
+            s.id.encode(),
+            MODEL.encode(),
+        )
+        event += (
+            b'"choices":[{"index":0,"text":" w","logprobs":null,"finish_reason":%s}]%s}\n\n'
+            % (
+                b'"length"' if last else b"null",
+                usage,
+            )
+        )
+        events = [event]
         if last:
             if s.include_usage:
                 tail = {

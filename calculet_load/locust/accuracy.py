@@ -1,11 +1,13 @@
 """The client's self-check (issue 18): did this client keep up with its load, per cell?
 
-Two figures per cell tell how far behind a process was, from its own records:
+Two figures per cell tell how far off a process's timings can be, from its own records:
 
-    read_wait_ms   with kernel stamps (calculet_load.measure.client), the longest the
-                   bytes of any read of a request waited in the kernel for the client's
-                   loop; events that arrived while it waited share the read's stamp, so
-                   this bounds how late a TTFT or ITL can be (null with read stamps)
+    stamp_late_bound_ms
+                   with kernel stamps (calculet_load.measure.client), the most any stamp
+                   of a request can be late: events that arrived while the client's loop
+                   was busy come out of one read and share the stamp of its last bytes;
+                   the earlier ones arrived after the previous read returned (null with
+                   read stamps: over TLS the analysis's saturation check stands alone)
     send_lag_ms    open loop: actual send − the schedule's instant (a late send shifts
                    the arrival law, and hides queueing from latency-from-send); not of
                    a stale retry, whose first send kept the schedule
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calculet_load")
 
-FIGURES = ("read_wait_ms", "send_lag_ms")
+FIGURES = ("stamp_late_bound_ms", "send_lag_ms")
 QUANTILE = 0.99
 BUDGET_MS = 10.0
 
@@ -56,8 +58,8 @@ class Accuracy:
         if e.dropped:
             return
         hists = self._cell(cell_name(record))
-        if e.read_wait_ms is not None:
-            hists["read_wait_ms"].add(max(e.read_wait_ms, 0.0))
+        if e.stamp_late_bound_ms is not None:
+            hists["stamp_late_bound_ms"].add(max(e.stamp_late_bound_ms, 0.0))
         # A stale retry (its kept-alive connection was closed or reset under it) went out
         # on schedule the first time; timed from the retry, its lag is the dead
         # connection's wait (a server that restarted), not the client's.

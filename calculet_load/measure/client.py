@@ -262,6 +262,10 @@ class Outcome:
     # or "read" (when the read returned: TLS, or a kernel that gives no receive time)
     stamp_source: str | None = None
     read_wait_ns: int | None = None  # kernel stamps: the longest a read's bytes waited
+    # kernel stamps: the most any event's stamp can be late. A read that completed several
+    # events stamps them all with its last bytes' arrival; the earlier ones arrived after
+    # the previous read returned, so they are late by at most that gap (0: no such read)
+    late_bound_ns: int | None = None
     error_output_chars: int = 0  # generated text an error body or error event carried
 
     @property
@@ -308,7 +312,9 @@ class _Run:
         self.t: dict[str, int | None] = {k: None for k in ("t3", "t4", "t5")}
         self.jump: str | None = None  # the first count that rose with no text to show
         self.read_t: int | None = None  # the stamp of the read the last event came in
+        self.read_prev: int | None = None  # when the read before the current one returned
         self.in_read = 0  # events delivered by that read so far
+        self.tokens_in_read = 0  # ... of them, events that carried tokens
 
     def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
         """Feed stream bytes that arrived at t; True when the client should stop now."""
@@ -343,7 +349,7 @@ class _Run:
         index = out.events
         out.events += 1
         if t != self.read_t:  # each read has its own stamp
-            self.read_t, self.in_read = t, 0
+            self.read_t, self.in_read, self.tokens_in_read = t, 0, 0
             out.event_reads += 1
         self.in_read += 1
         out.max_events_per_read = max(out.max_events_per_read, self.in_read)
@@ -359,6 +365,11 @@ class _Run:
             # which plain .encode() refuses (it would raise out of execute).
             self.hash.update(info.text.encode("utf-8", "surrogatepass"))
         if info.tokens:
+            self.tokens_in_read += 1
+            if self.tokens_in_read == 2 and out.late_bound_ns is not None and self.read_prev:
+                # a second token event in one read: the first one is stamped with the
+                # read's last bytes, and arrived after the read before returned
+                out.late_bound_ns = max(out.late_bound_ns, t - self.read_prev)
             if self.t["t4"] is None:
                 self.t["t4"] = t
             self.t["t5"] = t
@@ -569,8 +580,8 @@ class _Reader:
     """The reads of one response: each bounded by the right timeout, stamped at the byte
     (the kernel's receive time where it gives one), TLS drained into one read."""
 
-    __slots__ = ("clock", "deadline", "eof", "first", "ns", "out", "sock", "stamps", "t",
-                 "timeouts")  # fmt: skip
+    __slots__ = ("clock", "deadline", "eof", "first", "ns", "out", "returned", "run", "sock",
+                 "stamps", "t", "timeouts")  # fmt: skip
 
     def __init__(
         self, sock: socket.socket, run: _Run, ns: dict[str, int | None], timeouts: Timeouts,
@@ -578,7 +589,9 @@ class _Reader:
     ) -> None:  # fmt: skip
         self.sock, self.ns, self.timeouts, self.deadline = sock, ns, timeouts, deadline
         self.clock = run.clock
+        self.run = run
         self.out = run.out
+        self.returned = 0  # when the last read returned
         self.t = 0  # the stamp of the last read
         self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
         self.eof = False
@@ -607,6 +620,7 @@ class _Reader:
         sock.settimeout(max(limit, 0.001))
         kernel = None
         floor = max(self.t, self.ns["t1"] or self.ns["t0"] or 0)  # not before the last stamp
+        self.run.read_prev = self.returned or self.ns["t1"] or self.ns["t0"]
         try:
             if self.stamps:
                 data, anc, _, _ = sock.recvmsg(65536, _CMSG_SPACE)
@@ -620,6 +634,7 @@ class _Reader:
         except OSError as exc:
             out.unanswered = not self.first
             raise _Fail("connection_reset", str(exc)) from None
+        self.returned = t
         closed = False
         if data and isinstance(sock, ssl.SSLSocket):
             data, closed = _tls_drain(sock, data)
@@ -632,6 +647,8 @@ class _Reader:
                 out.read_wait_ns = wait
             t = kernel
             out.stamp_source = "kernel"
+            if out.late_bound_ns is None:
+                out.late_bound_ns = 0
         elif data:
             out.stamp_source = "read"
             # Let every other stream whose bytes are already here take its stamp before

@@ -232,6 +232,9 @@ def make_record(
             stale_retry=out.stale_retry,
             stamp_source=out.stamp_source,
             read_wait_ms=out.read_wait_ns / 1e6 if out.read_wait_ns is not None else None,
+            stamp_late_bound_ms=(
+                out.late_bound_ns / 1e6 if out.late_bound_ns is not None else None
+            ),
             event_reads=out.event_reads if out.events else None,
             max_events_per_read=out.max_events_per_read if out.events else None,
         ),

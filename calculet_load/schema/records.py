@@ -153,8 +153,11 @@ class Ext:
     # read's last bytes) or "read" (when the read returned); null: no bytes came
     stamp_source: str | None = None
     # kernel stamps: the longest any read's bytes waited in the kernel for the client
-    # (its loop busy): the client's own check that it kept up (null: read stamps)
+    # (its loop busy; not in the stamps: null with read stamps)
     read_wait_ms: float | None = None
+    # kernel stamps: the most any of its stamps can be late (events that came in one read
+    # share the stamp of its last bytes): the client's self-check (null: read stamps)
+    stamp_late_bound_ms: float | None = None
 
 
 # Columns added to `calculet-perf-request/v1` after its first release, each optional: a
@@ -171,6 +174,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.error_output_chars",
     "ext.stamp_source",
     "ext.read_wait_ms",
+    "ext.stamp_late_bound_ms",
 )
 
 

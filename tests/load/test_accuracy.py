@@ -14,7 +14,7 @@ def _record(cell: str, wait: float | None, lag: float | None = None, **ext: Any)
     return RequestRecord(
         run_id="r",
         request_id="x",
-        ext=Ext(cell=cell, read_wait_ms=wait, send_lag_ms=lag, **ext),
+        ext=Ext(cell=cell, stamp_late_bound_ms=wait, send_lag_ms=lag, **ext),
     )
 
 
@@ -25,7 +25,7 @@ def test_a_cell_over_budget_is_named_with_its_figure() -> None:
         acc.observe(_record("long", 30.0 if i % 10 == 0 else 0.5))  # 10 % waited 30 ms
     problems = acc.problems(10.0)
     assert len(problems) == 1
-    assert problems[0].startswith("long: read wait P99 ")
+    assert problems[0].startswith("long: stamp late bound P99 ")
     assert 29.0 < float(problems[0].split("P99 ")[1].split(" ms")[0]) < 31.0
 
 
@@ -46,7 +46,7 @@ def test_workers_reports_add_up_through_json() -> None:
         b.observe(_record("c", 50.0))  # one worker fell behind: half the cell's requests
     reports = [json.loads(json.dumps({"accuracy": w.to_wire()})) for w in (a, b)]
     (problem,) = check_reports(reports, 10.0)
-    assert problem.startswith("c: read wait P99 ")  # within the histogram's 1 % of 50
+    assert problem.startswith("c: stamp late bound P99 ")  # within the histogram's 1 % of 50
     assert 49.4 <= float(problem.split("P99 ")[1].split(" ms")[0]) <= 50.6
     assert check_reports(reports, 100.0) == []
     assert check_reports([{"worker": "w00"}], 10.0) == []  # a report without it

@@ -47,7 +47,8 @@ class OneShot:
     (after the client's loop is free again: a read that returns both would carry the
     second's receive time, the kernel's stamp of the read's last bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, second_after_s: float = 0.2) -> None:
+        self.second_after_s = second_after_s
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.port = self.srv.getsockname()[1]
         self.sent: list[int] = []
@@ -79,7 +80,8 @@ class OneShot:
             time.sleep(max(t + FIRST_AT_S - time.monotonic(), 0))
             self.sent.append(time.monotonic_ns())  # just before the write of event 1
             conn.sendall(_event(1))
-            time.sleep(0.2)
+            time.sleep(self.second_after_s)
+            self.sent.append(time.monotonic_ns())
             conn.sendall(_event(2, done=True))
             conn.recv(1)  # until the client closes
 
@@ -117,6 +119,7 @@ def test_a_busy_loop_does_not_make_the_stamp_late() -> None:
     assert 0 <= first - server.sent[0] < 5_000_000, (first - server.sent[0]) / 1e6
     assert out.client_ns.first_token == first
     assert out.read_wait_ns is not None and out.read_wait_ns > 50_000_000
+    assert out.late_bound_ns == 0  # every read brought one event: no stamp is late
     # the stamps keep their order: t1 <= t2 <= t4 <= t5 <= t6
     ns = out.client_ns
     assert ns.headers_sent <= ns.response_headers <= ns.first_token <= ns.last_token  # type: ignore[operator]
@@ -130,3 +133,18 @@ def test_a_clock_other_than_the_system_clock_keeps_read_stamps() -> None:
     assert out.ok, out.error_detail
     assert out.stamp_source == "read"
     assert out.read_wait_ns is None
+
+
+@pytest.mark.serial  # ms timings
+def test_events_that_share_a_read_are_bounded_by_the_gap_since_the_read_before() -> None:
+    """Events 1 and 2 (10 ms apart) both arrive while the loop is blocked: one read,
+    both stamped with event 2's arrival. Event 1 is then 10 ms late, and the outcome's
+    bound says at most how late: from the read before (the head's) to that arrival."""
+    server = OneShot(second_after_s=0.01)
+    out = _request(server.port)
+    assert out.ok, out.error_detail
+    assert out.max_events_per_read >= 2
+    first_late = out.token_events[0].arrival_ns - server.sent[0]
+    assert 5_000_000 < first_late < 20_000_000, first_late / 1e6  # event 2's arrival
+    assert out.late_bound_ns is not None and out.late_bound_ns >= first_late
+    assert out.late_bound_ns < 200_000_000  # since the head's read, not the request
