@@ -3,11 +3,14 @@
 Two figures per cell tell how far off a process's timings can be, from its own records:
 
     stamp_late_bound_ms
-                   with kernel stamps (calculet_load.measure.client), the most any stamp
-                   of a request can be late: events that arrived while the client's loop
-                   was busy come out of one read and share the stamp of its last bytes;
-                   the earlier ones arrived after the previous read returned (null with
-                   read stamps: over TLS the analysis's saturation check stands alone)
+                   with kernel stamps (calculet_load.measure.client), the most a
+                   request's first-token stamp (TTFT) can be late: token events that
+                   arrived while the client's loop was busy come out of one read and
+                   share the stamp of its last bytes; the first arrived after the previous
+                   read returned (null with read stamps: over TLS the analysis's
+                   saturation check stands alone). Per request, not per event: one late
+                   pair among 64 tokens would flag most requests of a run, while the ITL
+                   P99 it moves is over every token (analysis: join.coalesced)
     send_lag_ms    open loop: actual send − the schedule's instant (a late send shifts
                    the arrival law, and hides queueing from latency-from-send); not of
                    a stale retry, whose first send kept the schedule

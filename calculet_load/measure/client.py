@@ -262,9 +262,10 @@ class Outcome:
     # or "read" (when the read returned: TLS, or a kernel that gives no receive time)
     stamp_source: str | None = None
     read_wait_ns: int | None = None  # kernel stamps: the longest a read's bytes waited
-    # kernel stamps: the most any event's stamp can be late. A read that completed several
-    # events stamps them all with its last bytes' arrival; the earlier ones arrived after
-    # the previous read returned, so they are late by at most that gap (0: no such read)
+    # kernel stamps: the most the first token's stamp (t4, TTFT) can be late. A read that
+    # completed several token events stamps them all with its last bytes' arrival; the
+    # first arrived after the read before returned, so it is late by at most that gap
+    # (0: it came alone in its read)
     late_bound_ns: int | None = None
     error_output_chars: int = 0  # generated text an error body or error event carried
 
@@ -366,10 +367,15 @@ class _Run:
             self.hash.update(info.text.encode("utf-8", "surrogatepass"))
         if info.tokens:
             self.tokens_in_read += 1
-            if self.tokens_in_read == 2 and out.late_bound_ns is not None and self.read_prev:
-                # a second token event in one read: the first one is stamped with the
-                # read's last bytes, and arrived after the read before returned
-                out.late_bound_ns = max(out.late_bound_ns, t - self.read_prev)
+            if (
+                self.tokens_in_read == 2
+                and self.t["t4"] == t
+                and out.late_bound_ns is not None
+                and self.read_prev
+            ):
+                # the first token shares its read with the second: it is stamped with
+                # the read's last bytes, and arrived after the read before returned
+                out.late_bound_ns = t - self.read_prev
             if self.t["t4"] is None:
                 self.t["t4"] = t
             self.t["t5"] = t

@@ -155,8 +155,8 @@ class Ext:
     # kernel stamps: the longest any read's bytes waited in the kernel for the client
     # (its loop busy; not in the stamps: null with read stamps)
     read_wait_ms: float | None = None
-    # kernel stamps: the most any of its stamps can be late (events that came in one read
-    # share the stamp of its last bytes): the client's self-check (null: read stamps)
+    # kernel stamps: the most its first token's stamp can be late (token events that came
+    # in one read share the stamp of its last bytes): the self-check (null: read stamps)
     stamp_late_bound_ms: float | None = None
 
 

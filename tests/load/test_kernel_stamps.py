@@ -119,7 +119,7 @@ def test_a_busy_loop_does_not_make_the_stamp_late() -> None:
     assert 0 <= first - server.sent[0] < 5_000_000, (first - server.sent[0]) / 1e6
     assert out.client_ns.first_token == first
     assert out.read_wait_ns is not None and out.read_wait_ns > 50_000_000
-    assert out.late_bound_ns == 0  # every read brought one event: no stamp is late
+    assert out.late_bound_ns == 0  # the first token came alone in its read: not late
     # the stamps keep their order: t1 <= t2 <= t4 <= t5 <= t6
     ns = out.client_ns
     assert ns.headers_sent <= ns.response_headers <= ns.first_token <= ns.last_token  # type: ignore[operator]
@@ -138,8 +138,9 @@ def test_a_clock_other_than_the_system_clock_keeps_read_stamps() -> None:
 @pytest.mark.serial  # ms timings
 def test_events_that_share_a_read_are_bounded_by_the_gap_since_the_read_before() -> None:
     """Events 1 and 2 (10 ms apart) both arrive while the loop is blocked: one read,
-    both stamped with event 2's arrival. Event 1 is then 10 ms late, and the outcome's
-    bound says at most how late: from the read before (the head's) to that arrival."""
+    both stamped with event 2's arrival. The first token is then 10 ms late, and the
+    outcome's bound says at most how late: from the read before (the head's) to that
+    arrival."""
     server = OneShot(second_after_s=0.01)
     out = _request(server.port)
     assert out.ok, out.error_detail
