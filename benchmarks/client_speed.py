@@ -335,14 +335,18 @@ def run_reference(
 INFERENCE_PERF = "inference-perf==0.7.0"
 
 
-def peer_python(peers_dir: Path, name: str, packages: list[str]) -> Path | None:
-    """A venv of its own under `peers_dir` with `packages` (installed once)."""
+def peer_python(peers_dir: Path, name: str, packages: list[str], base: str | None) -> Path | None:
+    """A venv of its own under `peers_dir` with `packages` (installed once), made by the
+    interpreter `base` (inference-perf needs Python >= 3.12) or this one."""
     home = peers_dir / name
     python = home / "bin" / "python"
     stamp = home / ".installed"
     if stamp.exists():
         return python
-    venv.create(home, with_pip=True, clear=True)
+    if base:
+        subprocess.run([base, "-m", "venv", "--clear", str(home)], check=True)
+    else:
+        venv.create(home, with_pip=True, clear=True)
     done = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True
     )
@@ -452,6 +456,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="rates 20,160, C=16, 8 s (smoke)")
     ap.add_argument("--peers", action="store_true", help="also inference-perf (own venv)")
     ap.add_argument("--peers-dir", default=str(Path.home() / ".cache" / "calculet-load-peers"))
+    ap.add_argument("--peers-python", help="the interpreter of the peers' venvs (>= 3.12)")
     ap.add_argument("--ttft-ms", type=float, default=50.0)
     ap.add_argument("--itl-ms", type=float, default=10.0)
     ap.add_argument(
@@ -476,7 +481,9 @@ def main() -> None:
         os.sched_setaffinity(0, {1})  # this driver mostly sleeps: beside the server
     peer_py: Path | None = None
     if "inference-perf" in clients:
-        peer_py = peer_python(Path(args.peers_dir), "inference-perf", [INFERENCE_PERF])
+        peer_py = peer_python(
+            Path(args.peers_dir), "inference-perf", [INFERENCE_PERF], args.peers_python
+        )
         if peer_py is None:
             clients.remove("inference-perf")
     print(
