@@ -13,11 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 # Locust's self-check (--accuracy-ms, 10 ms by default) judges whether the client kept
-# up. The suite runs side by side on a busy machine where it often does not (read waits
-# of 40-70 ms at load 6-9), and no test but the self-check's own is about that: every
-# Locust process a test starts inherits this budget; a test of the check passes
-# --accuracy-ms itself (the command line wins over the environment).
-os.environ.setdefault("LOCUST_ACCURACY_MS", "1000")
+# up. The suite runs side by side on a busy machine where it often does not (stamps late
+# by up to 4.6 s in the parallel phase of a fresh-clone run), and no test but the
+# self-check's own (tests/load/test_accuracy.py, the benchmark's smoke) is about that:
+# every Locust process a test starts inherits this budget, 60 s (off in effect); a test
+# of the check passes --accuracy-ms itself (the command line wins over the environment).
+os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
 
 
 @pytest.fixture

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from analysis.analyze import analyze
 from calculet_load.schema.netsigns import NETWORK_ERROR_CLASSES
 from calculet_load.target.netprobe import measure_round
+from tests.load.acceptkit import relaxed_rules
 from tests.load.locustproc import LocustRun
 from tests.load.test_netns import _ip, _skip_reason, private_net
 from tests.simproc import SimProcess
@@ -54,7 +56,15 @@ def _serving(sim: SimProcess, timeout_s: float = 30) -> None:
 
 
 def _verdicts(run_dir: Path) -> tuple[int, dict[str, dict[str, Any]]]:
-    result = analyze(str(run_dir))
+    """analyze's exit code and verdicts, with the client's saturation gate off and its
+    send-lag limit at 500 ms: this busy machine's own load must not make the run
+    infrastructure-invalid, while a stale retry's lag (the 2 s a dead connection held
+    it) would still fail the send-lag check if it were counted."""
+    path = relaxed_rules(run_dir.parent, "netbreak")
+    rules = yaml.safe_load(path.read_text())
+    rules["infrastructure"]["max_send_lag_p99_ms"] = 500.0
+    path.write_text(yaml.safe_dump(rules))
+    result = analyze(str(run_dir), rules_path=path)
     return result.exit_code, {v["rule"]: v for v in result.document["verdicts"]}
 
 
