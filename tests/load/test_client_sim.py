@@ -342,7 +342,9 @@ def test_stream_stamps_are_ordered(pool: ConnectionPool, protocol: str) -> None:
     stamps = [t for t in _stamps(out) if t is not None]
     assert len(stamps) == 7, _stamps(out)
     assert stamps == sorted(stamps)  # t0 <= t1 <= ... <= t6
-    assert stamps[4] < stamps[5]  # 20 tokens: a real decode interval
+    # 20 tokens: a real decode interval, unless a starved client read every event at once
+    # (a busy machine): then all share the read's stamp, and the record says so
+    assert stamps[4] < stamps[5] or out.event_reads == 1, (out.event_reads, _stamps(out))
     assert [e.arrival_ns for e in out.token_events] == sorted(
         e.arrival_ns for e in out.token_events
     )

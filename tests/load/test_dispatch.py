@@ -61,7 +61,9 @@ def test_bounded_in_count_sends_on_time() -> None:
     lags_ms = sorted((a - i) / 1e6 for i, a in rec.sent)
     assert lags_ms[0] >= 0  # never early
     assert lags_ms[len(lags_ms) // 2] < 2.0, lags_ms  # the median send is on time
-    assert res.max_lag_ms >= lags_ms[-1] - 1.0
+    # the loop measures its lag when it hands the arrival over; the send greenlet starts
+    # a moment later (a fresh-clone serial run: 3.2 ms once)
+    assert res.max_lag_ms >= lags_ms[-1] - 5.0
 
 
 def test_bounded_in_time_and_stopped_on_request() -> None:

@@ -35,7 +35,7 @@ def test_a_head_of_line_run_shows_the_short_requests_ttft_penalty_with_an_interv
         {"kind": "open", "arrival": "poisson", "rate": 10.0, "mix": "head-of-line",
          "repetitions": 200},
         {"kind": "open", "arrival": "poisson", "rate": 10.0, "mix": "short-only",
-         "repetitions": 50},
+         "repetitions": 100},
     ]  # fmt: skip
     matrix = write_matrix(tmp_path, cells, name="hol", reps=60)
     run_dir = tmp_path / "hol"
@@ -47,7 +47,9 @@ def test_a_head_of_line_run_shows_the_short_requests_ttft_penalty_with_an_interv
     assert hol["control_cells"] == ["poisson10-short-only|-|poisson|stream"]
     n = hol["counts"]
     # successes: on a loaded machine some requests time out in admission (503)
-    assert n["long_prefills"] >= 2 and n["ttft_ms_overlapping"] >= 8 and n["control"] >= 20, n
+    # (a fresh-clone run's parallel phase kept 11 of 50 control requests): the penalty's
+    # interval below is what must hold, and too few samples would make it undecided
+    assert n["long_prefills"] >= 2 and n["ttft_ms_overlapping"] >= 8 and n["control"] >= 8, n
     rows = {(c["cell"], c["metric"], c["statistic"]): c for c in hol["comparisons"]}
     ttft = rows[("overlapping vs control", "ttft_ms", "p50")]
     lo, hi = ttft["ci_abs"]
