@@ -225,7 +225,8 @@ def test_k_tokens_per_event_counts_tokens(start_sim: StartSim, n: int) -> None:
             assert len(_rows(sim, rid, "token_flushed")) == n
             ns = out.client_ns
             assert ns.first_token is not None and ns.last_token is not None
-            assert ns.last_token > ns.first_token
+            # later, unless a starved client read every event at once (one stamp)
+            assert ns.last_token > ns.first_token or out.event_reads == 1, out.event_reads
             d = durations(ns, out.output_tokens)
             # TPOT divides by tokens - 1, not by events - 1.
             assert d.tpot == pytest.approx((ns.last_token - ns.first_token) / 1e6 / (n - 1))

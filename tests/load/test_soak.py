@@ -90,6 +90,10 @@ def test_stages_of_the_spec_are_data() -> None:
     assert stages["smoke"].load.kind == "closed" and stages["smoke"].pass_.golden
 
 
+# The leak rule reads trends of the simulator's resources: on a busy machine its starved
+# requests hold leases longer as the run goes on, a trend the rule cannot tell from a leak
+# (leases_unavailable +1.4/h in a fresh-clone run's parallel phase): one neighbour at most.
+@pytest.mark.quiet
 def test_dev_rehearsal_passes_without_leak(start_sim: StartSim, tmp_path: Path) -> None:
     sim = start_sim(*FAST, faults=True)
     tmp_path = tmp_path / "run"
