@@ -1,4 +1,4 @@
-"""The client's chunked-body fast path (measure.client._Chunked) decodes as h11 does.
+"""The client's chunked-body fast path (measure.chunked.ChunkedDecoder) decodes as h11 does.
 
 Event streams are read past h11 once the head is parsed (issue 18: h11's per-chunk
 events cost a sixth of a worker's CPU); these cases, each split at every byte, must give
@@ -10,7 +10,7 @@ from __future__ import annotations
 import h11
 import pytest
 
-from calculet_load.measure.client import _Chunked
+from calculet_load.measure.chunked import ChunkedDecoder
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 CASES = {
@@ -52,7 +52,7 @@ def _h11(body: bytes, cuts: list[int]) -> tuple[bytes, str]:
 
 
 def _ours(body: bytes, cuts: list[int]) -> tuple[bytes, str]:
-    dec = _Chunked(b"")
+    dec = ChunkedDecoder(b"")
     got = b""
     try:
         for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
@@ -76,6 +76,6 @@ def test_every_split_decodes_as_h11(name: str) -> None:
 
 
 def test_bytes_after_the_last_chunk_are_kept_not_decoded() -> None:
-    dec = _Chunked(b"")
+    dec = ChunkedDecoder(b"")
     assert dec.feed(b"2\r\nab\r\n0\r\n\r\nHTTP/1.1") == b"ab"
     assert dec.done and dec.rest == b"HTTP/1.1"  # the connection is then not reused
