@@ -29,6 +29,7 @@ from calculet_load.measure.client import (
     execute,
 )
 from calculet_load.measure.durations import durations
+from calculet_load.measure.engine import IO_ENGINES, EnginePool, execute_threaded
 from calculet_load.measure.prompts import Prompt, nonce_salt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.sink import PartSink
@@ -288,8 +289,13 @@ class Session:
         output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
         prompt_reuse: bool = False,
         count_text: Callable[[str], int] | None = None,
+        io_engine: str = "gevent",
     ) -> None:
+        if io_engine not in IO_ENGINES:
+            raise ValueError(f"io_engine {io_engine!r}: one of {', '.join(IO_ENGINES)}")
         self.ctx = ctx
+        # where the socket I/O runs: gevent (this greenlet) or thread (measure.engine)
+        self.io_engine = io_engine
         # events with text and no count from the server: the local tokenizer counts them
         self.count_text = count_text
         # Unique prompts unless reuse is asked for (a cache study): see measure.prompts.
@@ -299,7 +305,11 @@ class Session:
         self.adapter = adapter_for(protocol)
         self.protocol = protocol
         self.model = model
-        self.pool = ConnectionPool(Endpoint(url), max_in_flight)
+        self.pool = (
+            EnginePool(Endpoint(url), max_in_flight)
+            if io_engine == "thread"
+            else ConnectionPool(Endpoint(url), max_in_flight)
+        )
         self.timeouts = timeouts or Timeouts()
         self.sink = sink
         self.clock = clock or SystemClock()
@@ -327,21 +337,26 @@ class Session:
         )
         self.in_flight += 1
         on_token = _token_hook() if (events.token_event or events.first_token) else None
+        kw: dict[str, Any] = dict(
+            stream=spec.stream,
+            timeouts=self.timeouts,
+            clock=self.clock,
+            cancel=spec.cancel,
+            on_token=on_token,
+            max_tokens=spec.max_tokens,
+            output_slack_tokens=self.output_slack_tokens,
+            count_text=self.count_text,
+        )
         try:
-            out = execute(
-                self.pool,
-                self.adapter,
-                body,
-                self.next_request_id(),
-                stream=spec.stream,
-                timeouts=self.timeouts,
-                clock=self.clock,
-                cancel=spec.cancel,
-                on_token=on_token,
-                max_tokens=spec.max_tokens,
-                output_slack_tokens=self.output_slack_tokens,
-                count_text=self.count_text,
-            )
+            if isinstance(self.pool, EnginePool):
+                # the engine sends at the intended time itself (an open loop's arrival
+                # may be handed over before it is due)
+                out = execute_threaded(
+                    self.pool, self.adapter, body, self.next_request_id(),
+                    send_at_ns=spec.intended_start_ns, **kw,
+                )  # fmt: skip
+            else:
+                out = execute(self.pool, self.adapter, body, self.next_request_id(), **kw)
         except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
             cut: Outcome | None = getattr(exc, "outcome", None)
             if cut is not None:

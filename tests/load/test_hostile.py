@@ -16,6 +16,7 @@ end marker is `truncated_stream`; bytes that cannot be the start of a status lin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import socket
@@ -27,6 +28,7 @@ import gevent
 import pyarrow.parquet as pq
 import pytest
 
+from calculet_load.measure import session as session_module
 from calculet_load.measure.client import (
     ERROR_CLASSES,
     ConnectionPool,
@@ -36,6 +38,7 @@ from calculet_load.measure.client import (
     execute,
     run_in_greenlet,
 )
+from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.session import RequestSpec, RunContext, Session
@@ -44,6 +47,20 @@ from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, drip, serve
 from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture(autouse=True, params=["gevent", "thread"])
+def io_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every case on both I/O engines: the gevent one (measure.client) and the thread one
+    (measure.engine) must give the same outcome."""
+    if request.param == "thread":
+        here = globals()
+        monkeypatch.setitem(here, "ConnectionPool", EnginePool)
+        monkeypatch.setitem(here, "execute", execute_threaded)
+        monkeypatch.setitem(here, "Session", functools.partial(session_module.Session,
+                                                               io_engine="thread"))  # fmt: skip
+    return str(request.param)
+
 
 LLAMA_CPP_SAMPLES = Path(__file__).resolve().parents[2].parent / "shared" / "protocol-samples"
 FAST = Timeouts(connect_s=1.0, first_byte_s=0.3, idle_s=0.3, total_s=2.0)

@@ -11,6 +11,7 @@ under the run folder or in any log.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import pytest
 import yaml
 
 from analysis.tables.join import load_run
+from calculet_load.measure import session as session_module
 from calculet_load.measure.client import Outcome, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
 from calculet_load.measure.session import RequestSpec, RunContext, Session
@@ -79,6 +81,14 @@ def _access(proxy: Nginx, pki: Pki, prefix: str = "/llm", **kw: object) -> Targe
     return TargetAccess(proxy.url(prefix), **args)  # type: ignore[arg-type]
 
 
+@pytest.fixture(params=["gevent", "thread"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test on both I/O engines (measure.client's gevent, measure.engine's thread)."""
+    session = functools.partial(session_module.Session, io_engine=request.param)
+    monkeypatch.setitem(globals(), "Session", session)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _key_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CALCULET_TEST_KEY", API_KEY)
@@ -115,12 +125,13 @@ def _server_rows(sim: SimProcess, last_request: str) -> list[dict[str, object]]:
 
 @pytest.mark.serial  # bounds of a few ms between the server's flush and the client's read
 def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
-    stack: tuple[SimProcess, Nginx, Pki], tmp_path: Path
+    stack: tuple[SimProcess, Nginx, Pki], tmp_path: Path, engine: str
 ) -> None:
     sim, proxy, pki = stack
     access = _access(proxy, pki)
     prompt = _prompt(access)
-    session = Session(RunContext("tls-timing", "w00"), access, "llama")
+    # a run id per engine: the simulator's trace is shared, its request ids must not be
+    session = Session(RunContext(f"tls-timing-{engine}", "w00"), access, "llama")
     results = _send(session, prompt, 8, 24, "tls")
     session.close()
     outs = [out for _, out in results]
@@ -167,7 +178,7 @@ def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
     assert max(gap_diffs) < GAP_DIFF_MS and np.median(gap_diffs) < GAP_DIFF_P50_MS
 
 
-def test_openai_base_path_with_v1(stack: tuple[SimProcess, Nginx, Pki]) -> None:
+def test_openai_base_path_with_v1(stack: tuple[SimProcess, Nginx, Pki], engine: str) -> None:
     _, proxy, pki = stack
     access = _access(proxy, pki, "/llm/v1")  # /llm/v1 + /v1/completions: no /v1/v1
     assert access.path("/v1/completions") == "/llm/v1/completions"
@@ -180,7 +191,7 @@ def test_openai_base_path_with_v1(stack: tuple[SimProcess, Nginx, Pki]) -> None:
 
 
 def test_wrong_key_bad_certificate_and_wrong_path_are_classified(
-    stack: tuple[SimProcess, Nginx, Pki], monkeypatch: pytest.MonkeyPatch
+    stack: tuple[SimProcess, Nginx, Pki], monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
     sim, proxy, pki = stack
     prompt = _prompt(_access(proxy, pki), 16)

@@ -1,0 +1,479 @@
+"""The thread I/O engine: a request's socket I/O in one dedicated thread per process.
+
+The thread runs an asyncio loop (uvloop when installed); the caller, a greenlet (a Locust
+user, a dispatcher's send), submits a request and waits for its outcome without blocking
+the gevent hub: the engine wakes it through the hub's thread-safe async watcher. The
+timing-critical work (connect, send at the intended time with `loop.call_at`, each read
+and its stamp) is never held up by the greenlets' work (records, sinks, Locust events).
+
+Everything but the waiting is measure.response's, as for the gevent engine
+(measure.client): the same outcome, stamps, counts, errors and retries. Reads are driven
+by the socket's readiness (`add_reader`): on a plain socket with the system clock each
+read carries the kernel's receive time (SO_TIMESTAMPNS, `stamp_source` "kernel"); over
+TLS (the standard library's ssl on a non-blocking socket) the stamp is taken when the
+read returns ("read"). Token events reach `on_token` when the request ends, on the
+caller's greenlet (the records are the same; a live listener sees them later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import math
+import os
+import socket
+import ssl
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import gevent
+import gevent.event
+from gevent.monkey import get_original
+
+from calculet_load.clock import Clock, SystemClock
+from calculet_load.measure.client import ConnectionPool, Endpoint, stale
+from calculet_load.measure.protocols import Adapter
+from calculet_load.measure.response import (
+    CMSG_SPACE,
+    OUTPUT_SLACK_TOKENS,
+    CancelAt,
+    Fail,
+    Outcome,
+    PoolExhausted,
+    Reads,
+    Run,
+    Timeouts,
+    ask_kernel_stamps,
+    conclude,
+    connect_fail,
+    fail_into,
+    prepare,
+    respond,
+    run_stopped,
+    wire,
+)
+from calculet_load.schema.records import TokenEvent
+
+T = TypeVar("T")
+IO_ENGINES = ("gevent", "thread")
+# the standard library's, whatever gevent's monkey-patching replaced (Locust patches all):
+# a real thread, real locks and sockets the loop waits on itself
+_start_thread = get_original("_thread", "start_new_thread")
+_allocate_lock = get_original("_thread", "allocate_lock")
+_get_ident = get_original("_thread", "get_ident")
+_socket = get_original("socket", "socket")
+# How long a thread may hold the GIL while another waits for it: the interpreter's 5 ms
+# default would let a greenlet's work hold a due send that long. With the engine running,
+# the process switches at this interval instead.
+SWITCH_INTERVAL_S = 0.0005
+_REQUEST = tuple[str, list[tuple[str, str]], bytes]
+
+
+def _new_loop() -> tuple[asyncio.AbstractEventLoop, str]:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.new_event_loop(), "asyncio"
+    return uvloop.new_event_loop(), "uvloop"
+
+
+class IoEngine:
+    """One loop thread per process (`IoEngine.shared()`), started when first used."""
+
+    _shared: IoEngine | None = None
+    _pid = 0
+    _guard = _allocate_lock()
+
+    @classmethod
+    def shared(cls) -> IoEngine:
+        with cls._guard:
+            if cls._shared is None or cls._pid != os.getpid():  # a fork has no thread
+                cls._shared, cls._pid = IoEngine(), os.getpid()
+            return cls._shared
+
+    def __init__(self) -> None:
+        self.loop, self.kind = _new_loop()
+        # per controller thread (its hub): finished calls, and the watcher that wakes it
+        self._hubs: dict[int, tuple[Any, collections.deque[tuple[Any, Any, bool]]]] = {}
+        self._out: dict[int, int] = {}  # calls waiting, per watcher
+        ready = _allocate_lock()
+        ready.acquire()
+
+        def main() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(ready.release)
+            self.loop.run_forever()
+
+        _start_thread(main, ())
+        ready.acquire()  # a few ms, once per process
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+    def _waker(self) -> tuple[Any, collections.deque[tuple[Any, Any, bool]]]:
+        key = _get_ident()
+        found = self._hubs.get(key)
+        if found is None:
+            done: collections.deque[tuple[Any, Any, bool]] = collections.deque()
+            watcher = gevent.get_hub().loop.async_(ref=False)
+
+            def wake() -> None:
+                while done:
+                    result, value, ok = done.popleft()
+                    if ok:
+                        result.set(value)
+                    else:
+                        result.set_exception(value)
+
+            watcher.start(wake)
+            found = self._hubs[key] = (watcher, done)
+        return found
+
+    def call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run `make()` on the engine's loop; the calling greenlet waits for its value.
+        Killed while waiting (the run stopped), the coroutine is cancelled, and the
+        GreenletExit carries what it returned as `outcome`."""
+        watcher, done = self._waker()
+        # the hub waits for the watcher while a call is out (unreferenced otherwise: an
+        # idle engine does not keep a gevent loop from ending)
+        watcher.ref = True
+        self._out[id(watcher)] = self._out.get(id(watcher), 0) + 1
+        result: gevent.event.AsyncResult = gevent.event.AsyncResult()
+        tasks: list[asyncio.Task[T]] = []
+
+        def finished(task: asyncio.Task[T]) -> None:
+            if task.cancelled():
+                done.append((result, asyncio.CancelledError(), False))
+            elif task.exception() is not None:
+                done.append((result, task.exception(), False))
+            else:
+                done.append((result, task.result(), True))
+            watcher.send()  # thread-safe: wakes the caller's hub
+
+        def start() -> None:
+            task = self.loop.create_task(make())
+            task.add_done_callback(finished)
+            tasks.append(task)
+
+        self.loop.call_soon_threadsafe(start)
+        try:
+            value: T = result.get()
+        except gevent.GreenletExit as exc:
+            self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in tasks])
+            with contextlib.suppress(BaseException):  # cancelled before it sent: nothing
+                exc.outcome = result.get(timeout=5.0)
+            raise
+        finally:
+            left = self._out[id(watcher)] = self._out[id(watcher)] - 1
+            if not left:
+                watcher.ref = False
+        return value
+
+
+class EnginePool(ConnectionPool):
+    """Keep-alive connections of the thread engine (non-blocking standard sockets), at
+    most `max_connections` open; used from the engine's thread only, but for `open`."""
+
+    def __init__(
+        self, endpoint: Endpoint, max_connections: int, engine: IoEngine | None = None
+    ) -> None:
+        super().__init__(endpoint, max_connections)
+        self.engine = engine or IoEngine.shared()
+
+    def acquire(self, connect_timeout: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+        raise TypeError("the thread engine's pool connects on its loop (acquire_async)")
+
+    async def acquire_async(
+        self, connect_timeout: float, fresh: bool
+    ) -> tuple[socket.socket, bool]:
+        sock = self.take(fresh)
+        if sock is not None:
+            return sock, True
+        return await self._open(connect_timeout), False
+
+    async def _open(self, connect_timeout: float) -> socket.socket:
+        self.open += 1
+        sock: socket.socket | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            family, sockaddr = self.endpoint.address()
+            sock = _socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            deadline = time.monotonic() + connect_timeout
+            await asyncio.wait_for(loop.sock_connect(sock, sockaddr), connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = self.endpoint.plain_tls()
+            if tls is None:
+                ask_kernel_stamps(sock)
+            else:
+                # the handshake (and verification) within the connect timeout
+                sock = tls.wrap_socket(
+                    sock, server_hostname=self.endpoint.host, do_handshake_on_connect=False
+                )
+                await asyncio.wait_for(_handshake(loop, sock), deadline - time.monotonic())
+        except BaseException:
+            self.open -= 1
+            if sock is not None:
+                sock.close()
+            raise
+        return sock
+
+    def prewarm(self, n: int, connect_timeout: float = 10.0) -> int:
+        async def warm() -> int:
+            todo = max(0, min(n - len(self._idle), self.max_connections - self.open))
+            socks = await asyncio.gather(*(self._open(connect_timeout) for _ in range(todo)))
+            self._idle.extend(socks)
+            return len(socks)
+
+        self.endpoint.address()  # resolved here: a lookup may be gevent's (a greenlet)
+        return self.engine.call(warm)
+
+    def close(self) -> None:
+        async def close() -> None:
+            ConnectionPool.close(self)
+
+        self.engine.call(close)
+
+
+async def _ready(
+    loop: asyncio.AbstractEventLoop, fd: int, write: bool, timeout_s: float | None
+) -> None:
+    """Wait until `fd` is writable (or readable)."""
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(fd, ready)
+
+    def late() -> None:
+        if not fut.done():
+            fut.set_exception(TimeoutError("timed out"))
+
+    timer = loop.call_later(timeout_s, late) if timeout_s is not None else None
+    try:
+        await fut
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+        if timer is not None:
+            timer.cancel()
+
+
+async def _handshake(loop: asyncio.AbstractEventLoop, sock: ssl.SSLSocket) -> None:
+    while True:
+        try:
+            sock.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            await _ready(loop, sock.fileno(), False, None)
+        except ssl.SSLWantWriteError:
+            await _ready(loop, sock.fileno(), True, None)
+
+
+async def _send_all(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, timeout_s: float
+) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            await _ready(loop, sock.fileno(), True, timeout_s)
+        except ssl.SSLWantReadError:
+            await _ready(loop, sock.fileno(), False, timeout_s)
+
+
+async def _until(loop: asyncio.AbstractEventLoop, at_ns: int) -> None:
+    """Sleep until the monotonic instant `at_ns` on the loop's timers (whole ms: never
+    early; a timer that fires early for the loop's cached time waits once more)."""
+    while (left := at_ns - time.monotonic_ns()) > 0:
+        fut: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(math.ceil(left / 1e6) / 1e3, fut.set_result, None)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+
+
+class _Response(Reads):
+    """One response's reads on the loop: each read as its bytes arrive, stamped first,
+    then sent into `respond`; the read timeouts on one lazily re-armed timer."""
+
+    __slots__ = ("clock", "expiry", "fd", "fut", "gen", "kind", "limit_s", "loop", "sock",
+                 "timer", "timer_at", "tls")  # fmt: skip
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Any, run: Run,
+        ns: dict[str, int | None], timeouts: Timeouts, deadline: int, cancel: CancelAt,
+    ) -> None:  # fmt: skip
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock and not self.tls
+        super().__init__(run, ns, timeouts, deadline, stamps)
+        self.loop, self.sock, self.clock, self.fd = loop, sock, run.clock, sock.fileno()
+        self.fut: asyncio.Future[bool] = loop.create_future()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = self.expiry = 0  # time.monotonic_ns of the timer, of the limit
+        self.kind, self.limit_s = "", 0.0
+        self.gen = respond(conn, self, cancel)
+        next(self.gen)  # to its first read
+
+    async def wait(self) -> bool:
+        try:
+            self._arm()
+            self.loop.add_reader(self.fd, self._on_readable)
+            return await self.fut
+        finally:
+            self.loop.remove_reader(self.fd)
+            if self.timer is not None:
+                self.timer.cancel()
+
+    def _arm(self) -> None:
+        """The next read's limit (Fail when the total deadline passed); the timer moves
+        only when the limit comes sooner than it."""
+        self.limit_s, self.kind = self.limit(self.clock.mono_ns())
+        self.expiry = time.monotonic_ns() + int(self.limit_s * 1e9)
+        if self.timer is None or self.timer_at > self.expiry:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer_at = self.expiry
+            self.timer = self.loop.call_later(max(self.limit_s, 0.001), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.fut.done():
+            return
+        left = self.expiry - time.monotonic_ns()
+        if left > 0:
+            self.timer_at = self.expiry
+            self.timer = self.loop.call_later(max(left / 1e9, 0.001), self._on_timer)
+            return
+        self.fut.set_exception(Fail(self.kind, f"no bytes for {self.limit_s:.3f} s"))
+
+    def _on_readable(self) -> None:
+        if self.fut.done():
+            return
+        try:
+            try:
+                data, closed, _ = self.receive(self.sock, self.clock, self.tls)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return  # nothing for the application yet (a TLS record still coming)
+            except OSError as exc:
+                self.out.unanswered = not self.first
+                raise Fail("connection_reset", str(exc)) from None
+            self.gen.send((data, closed))
+            self._arm()
+        except StopIteration as end:
+            self.fut.set_result(end.value)
+        except Exception as exc:  # Fail, or a bug: the caller's to raise
+            self.fut.set_exception(exc)
+
+
+@dataclasses.dataclass(slots=True)
+class _Job:
+    pool: EnginePool
+    adapter: Adapter
+    request: _REQUEST
+    request_id: str
+    stream: bool
+    timeouts: Timeouts
+    clock: Clock
+    cancel: CancelAt
+    max_tokens: int | None
+    slack: int
+    count_text: Callable[[str], int] | None
+    send_at: int | None
+
+
+async def _execute(job: _Job) -> Outcome:
+    loop = asyncio.get_running_loop()
+    if job.send_at is not None and type(job.clock) is SystemClock:
+        await _until(loop, job.send_at)  # the open loop's intended time
+    out = await _attempt(loop, job, fresh=False)
+    if stale(out):  # as measure.client.execute: once more on a new connection
+        out = await _attempt(loop, job, fresh=True)
+        out.stale_retry = True
+    return out
+
+
+async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> Outcome:
+    clock, timeouts, pool = job.clock, job.timeouts, job.pool
+    out = Outcome(job.request_id)
+    run = Run(job.adapter, out, clock, job.stream, None, job.count_text)
+    conn, data = wire(job.request)
+    out.wall_anchor_ns = clock.wall_ns()
+    t0 = clock.mono_ns()
+    ns: dict[str, int | None] = {"t0": t0, "t1": None, "t2": None, "t6": None}
+    sock: socket.socket | None = None
+    reusable = False
+    deadline = t0 + int(timeouts.total_s * 1e9)
+    try:
+        try:
+            sock, out.connection_reused = await pool.acquire_async(timeouts.connect_s, fresh)
+        except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
+            raise connect_fail(exc, pool.max_connections) from None
+        limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)
+        try:
+            await _send_all(loop, sock, data, limit)
+        except OSError as exc:
+            out.unanswered = True
+            raise Fail("connection_reset", f"while sending: {exc}") from None
+        ns["t1"] = clock.mono_ns()
+        if job.cancel == "before_headers":
+            out.cancelled_at = "before_headers"
+            raise Fail("cancelled", "cancelled after the request was sent, before headers")
+        resp = _Response(loop, sock, conn, run, ns, timeouts, deadline, job.cancel)
+        reusable = await resp.wait()
+    except Fail as f:
+        fail_into(out, f, job.cancel)
+    except asyncio.CancelledError:
+        run_stopped(out)  # the caller was killed (the run stopped): keep what it measured
+    finally:
+        if sock is not None:
+            pool.release(sock, reusable and out.error_class is None)
+    return conclude(run, ns, job.max_tokens, job.slack)
+
+
+def execute_threaded(
+    pool: EnginePool,
+    adapter: Adapter,
+    body: dict[str, Any],
+    request_id: str,
+    *,
+    stream: bool,
+    timeouts: Timeouts | None = None,
+    clock: Clock | None = None,
+    cancel: CancelAt = None,
+    extra_headers: dict[str, str] | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
+    max_tokens: int | None = None,
+    output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
+    count_text: Callable[[str], int] | None = None,
+    send_at_ns: int | None = None,
+) -> Outcome:
+    """measure.client.execute on the engine's thread: the same outcome. `send_at_ns`: the
+    monotonic instant to send at (the engine waits for it on its loop's timers); the
+    request is built here, on the caller's greenlet, before it is handed over."""
+    pool.endpoint.address()  # resolved on the caller's side (gevent's resolver)
+    job = _Job(
+        pool=pool,
+        adapter=adapter,
+        request=prepare(pool.endpoint, adapter, body, request_id, stream, extra_headers),
+        request_id=request_id,
+        stream=stream,
+        timeouts=timeouts or Timeouts(),
+        clock=clock or SystemClock(),
+        cancel=cancel,
+        max_tokens=max_tokens,
+        slack=output_slack_tokens,
+        count_text=count_text,
+        send_at=send_at_ns,
+    )
+    out = pool.engine.call(lambda: _execute(job))
+    if on_token is not None:
+        for ev in out.token_events:
+            on_token(ev)
+    return out

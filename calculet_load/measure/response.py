@@ -1,0 +1,717 @@
+# size: the request's pure half, shared by both I/O engines: one implementation of each
+"""What both I/O engines share (measure.client's gevent sockets, measure.engine's thread):
+the error taxonomy, the outcome, the per-request state and its accounting, the response
+read as a generator fed with each read's bytes (h11 for the head, measure.chunked for a
+chunked event stream, measure.sse for the events), the stamps' bookkeeping and the
+kernel's receive times, the request's wire form, the classification of connect failures
+and the outcome's final checks. No waiting here: an engine reads the socket, stamps the
+bytes, hands them to `Reads.took` and sends them into `respond`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import platform
+import socket
+import ssl
+import struct
+import sys
+from collections.abc import Callable, Generator
+from typing import Any, Literal
+
+import h11
+
+from calculet_load.clock import Clock
+from calculet_load.measure.chunked import ChunkedDecoder
+from calculet_load.measure.protocols import (
+    Adapter,
+    CountState,
+    EventInfo,
+    ProtocolError,
+    error_output_chars,
+    raw_text,
+    safe_text,
+)
+from calculet_load.measure.sse import SSELineTooLong, SSEParser
+from calculet_load.schema.netsigns import is_unreachable
+from calculet_load.schema.records import ClientNs, TokenEvent
+
+# The error taxonomy: every failed request carries exactly one of these.
+ERROR_CLASSES: dict[str, str] = {
+    "connect_refused": "the target refused the TCP connection",
+    "connect_timeout": "no TCP connection within the connect timeout",
+    "unreachable": "no route to the target (host or network unreachable, link down)",
+    "connection_reset": "the connection was reset or closed mid-request",
+    "first_byte_timeout": "no response byte within the first-byte timeout",
+    "idle_timeout": "no bytes between events within the idle timeout",
+    "total_timeout": "the request exceeded its total timeout (manifest timeout_s)",
+    "tls_verify": "the target's TLS certificate failed verification (CA, name or dates)",
+    "tls_handshake": "the TLS handshake failed (protocol, cipher, or the peer is not TLS)",
+    "auth": "the server answered 401 or 403 (a missing or wrong API key or header)",
+    "not_found": "the server answered 404 (a wrong path or base path)",
+    "http_4xx": "the server answered another 4xx",
+    "http_5xx": "the server answered 5xx",
+    "http_other": "the server answered with an unexpected non-2xx status",
+    "server_error_event": "the stream carried an error event",
+    "malformed_http": "the response is not valid HTTP/1.1",
+    "malformed_sse": "the event stream breaks the SSE rules (e.g. a line over the limit)",
+    "invalid_json": "an event's data is not valid JSON",
+    "invalid_utf8": "the stream is not valid UTF-8",
+    "truncated_stream": "the stream ended before the protocol's end marker",
+    "protocol_violation": "the response breaks the target protocol",
+    "nonfinite_number": "a numeric field is NaN or Infinity",
+    "value_out_of_range": "a count is negative or beyond int64 (the raw value is kept as text)",
+    "content_encoding": "the response has a Content-Encoding the client did not ask for",
+    "cancelled": "the client cancelled the request on purpose",
+    "pool_exhausted": "no connection free under the connection cap",
+    "dropped": "an open-loop arrival found the in-flight cap full and was not sent",
+}
+
+# Generated tokens may exceed the request's max_tokens by this many before the count is
+# flagged (token_count_mismatch with a count_anomaly): none, as OpenAI and llama.cpp
+# define max_tokens/n_predict as a hard cap. A session may declare another.
+OUTPUT_SLACK_TOKENS = 0
+ERROR_DETAIL_CHARS = 500
+ERROR_CODE_CHARS = 100
+FINISH_REASON_CHARS = 64
+
+
+_TIMESPEC = struct.Struct("@ll")
+CancelAt = Literal["before_headers", "first_token"] | int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 10.0
+    first_byte_s: float = 900.0
+    idle_s: float = 300.0
+    total_s: float = 900.0
+
+    @classmethod
+    def within(cls, total_s: float) -> Timeouts:
+        """A request bounded by one timeout (a run's `timeout_s`): connected within it (at
+        most 10 s), its first byte and its whole response within it."""
+        return cls(connect_s=min(10.0, total_s), total_s=total_s, first_byte_s=total_s)
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    """What one request produced, before it becomes a RequestRecord."""
+
+    request_id: str
+    client_ns: ClientNs = dataclasses.field(default_factory=ClientNs)
+    wall_anchor_ns: int | None = None
+    http_status: int | None = None
+    finish_reason: str | None = None
+    output_tokens: int = 0
+    server_total: int | None = None
+    prompt_tokens_server: int | None = None
+    count_source: str | None = None
+    token_hash: str | None = None
+    error_class: str | None = None
+    error_code: str | None = None
+    error_detail: str | None = None
+    events: int = 0
+    event_reads: int = 0  # reads that delivered at least one event (coalescing)
+    max_events_per_read: int = 0
+    token_events: list[TokenEvent] = dataclasses.field(default_factory=list)
+    timings: dict[str, Any] | None = None
+    cached_tokens: int | None = None  # prompt tokens the server served from its cache
+    unanswered: bool = False  # the connection closed before a single response byte
+    stale_retry: bool = False  # sent again on a new connection: the kept-alive one was closed
+    connection_reused: bool | None = None
+    cancelled_at: str | None = None
+    nonfinite: bool = False
+    invalid_value: str | None = None  # the offending raw value of a failure, bounded text
+    count_anomaly: str | None = None  # why the token count is not to be believed as is
+    # the stamps' source: "kernel" (the kernel's receive time of the read's last bytes)
+    # or "read" (when the read returned: TLS, or a kernel that gives no receive time)
+    stamp_source: str | None = None
+    read_wait_ns: int | None = None  # kernel stamps: the longest a read's bytes waited
+    # kernel stamps: the most the first token's stamp (t4, TTFT) can be late. A read that
+    # completed several token events stamps them all with its last bytes' arrival; the
+    # first arrived after the read before returned, so it is late by at most that gap
+    # (0: it came alone in its read)
+    late_bound_ns: int | None = None
+    error_output_chars: int = 0  # generated text an error body or error event carried
+
+    @property
+    def ok(self) -> bool:
+        return self.error_class is None
+
+    @property
+    def token_count_mismatch(self) -> bool:
+        if self.count_anomaly is not None:
+            return True
+        return self.server_total is not None and self.server_total != self.output_tokens
+
+
+class Fail(Exception):
+    def __init__(
+        self, error_class: str, detail: str, code: str | None = None, raw: str | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.error_class, self.detail, self.code, self.raw = error_class, detail, code, raw
+
+
+class Run:
+    """State of one request while it runs; `execute` drives it."""
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        out: Outcome,
+        clock: Clock,
+        stream: bool,
+        on_token: Callable[[TokenEvent], None] | None = None,
+        count_text: Callable[[str], int] | None = None,
+        pause: Callable[[], object] | None = None,
+    ) -> None:
+        self.adapter = adapter
+        # called every 16 events of one read (gevent: let other streams take their stamps)
+        self.pause = pause
+        self.on_token = on_token
+        self.out = out
+        self.clock = clock
+        self.stream = stream
+        self.parser = SSEParser()
+        self.count = CountState(count_text=count_text)
+        self.hash = hashlib.sha256()
+        self.done = False
+        self.body = bytearray()
+        self.t: dict[str, int | None] = {k: None for k in ("t3", "t4", "t5")}
+        self.jump: str | None = None  # the first count that rose with no text to show
+        self.read_t: int | None = None  # the stamp of the read the last event came in
+        self.read_prev: int | None = None  # when the read before the current one returned
+        self.in_read = 0  # events delivered by that read so far
+        self.tokens_in_read = 0  # ... of them, events that carried tokens
+
+    def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
+        """Feed stream bytes that arrived at t; True when the client should stop now."""
+        try:
+            events = self.parser.feed(data)
+        except SSELineTooLong as exc:
+            raise Fail("malformed_sse", str(exc)) from None
+        for i, ev in enumerate(events):
+            if i & 15 == 15 and self.pause is not None:
+                # A backlog read can hold hundreds of events: all are stamped at its
+                # arrival already; let other streams take their stamps meanwhile.
+                self.pause()
+            if self.done:
+                raise Fail("protocol_violation", "event after the end-of-stream marker")
+            try:
+                info = self.adapter.event(ev.data, self.count)
+            except ProtocolError as exc:
+                raise Fail(exc.error_class, str(exc), raw=exc.raw) from None
+            self._account(info, t)
+            if info.error is not None:
+                raise Fail("server_error_event", info.error, info.error_type)
+            if cancel == "first_token" and self.t["t4"] is not None:
+                return True
+            if isinstance(cancel, int) and len(self.out.token_events) >= cancel:
+                return True
+        if self.parser.invalid_utf8:
+            raise Fail("invalid_utf8", f"{self.parser.invalid_utf8} invalid UTF-8 sequence(s)")
+        return False
+
+    def _account(self, info: EventInfo, t: int) -> None:
+        out = self.out
+        index = out.events
+        out.events += 1
+        if t != self.read_t:  # each read has its own stamp
+            self.read_t, self.in_read, self.tokens_in_read = t, 0, 0
+            out.event_reads += 1
+        self.in_read += 1
+        out.max_events_per_read = max(out.max_events_per_read, self.in_read)
+        if self.t["t3"] is None:
+            self.t["t3"] = t
+        if info.nonfinite:
+            out.nonfinite = True
+        out.error_output_chars += info.error_output_chars
+        if info.count_anomaly is not None and self.jump is None:
+            self.jump = f"event {index}: {info.count_anomaly}"
+        if info.text:
+            # surrogatepass: a JSON escape such as "\ud800" decodes to a lone surrogate,
+            # which plain .encode() refuses (it would raise out of execute).
+            self.hash.update(info.text.encode("utf-8", "surrogatepass"))
+        if info.tokens:
+            self.tokens_in_read += 1
+            if (
+                self.tokens_in_read == 2
+                and self.t["t4"] == t
+                and out.late_bound_ns is not None
+                and self.read_prev
+            ):
+                # the first token shares its read with the second: it is stamped with
+                # the read's last bytes, and arrived after the read before returned
+                out.late_bound_ns = t - self.read_prev
+            if self.t["t4"] is None:
+                self.t["t4"] = t
+            self.t["t5"] = t
+            out.output_tokens += info.tokens
+            ev = TokenEvent(out.request_id, index, t, info.tokens, info.cumulative)
+            out.token_events.append(ev)
+            if self.on_token is not None:
+                self.on_token(ev)
+        if info.finish_reason:
+            out.finish_reason = safe_text(info.finish_reason[:FINISH_REASON_CHARS])
+        if info.final_total is not None:
+            out.server_total = info.final_total
+        if info.prompt_tokens is not None:
+            out.prompt_tokens_server = info.prompt_tokens
+        if info.timings is not None:
+            out.timings = info.timings
+        if info.cached_tokens is not None:
+            out.cached_tokens = info.cached_tokens
+        if info.done:
+            self.done = True
+        out.count_source = self.count.source
+
+
+# Linux: SO_TIMESTAMPNS asks the kernel for each read's receive time (CLOCK_REALTIME, of
+# the last segment the read returned), delivered as an SCM_TIMESTAMPNS control message
+# holding a struct timespec (two C longs). Python's socket module does not name it: 35 on
+# the architectures of asm-generic/socket.h (others use other numbers: read stamps there).
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", None)
+if SO_TIMESTAMPNS is None and sys.platform == "linux" and platform.machine() in (
+    "x86_64", "aarch64", "arm64", "i686", "i386", "armv7l", "armv8l", "riscv64",
+    "ppc64le", "ppc64", "s390x", "loongarch64",
+):  # fmt: skip
+    SO_TIMESTAMPNS = 35
+CMSG_SPACE = (
+    socket.CMSG_SPACE(_TIMESPEC.size)
+    if SO_TIMESTAMPNS is not None and hasattr(socket, "CMSG_SPACE")
+    else 0
+)
+# A kernel stamp this much before the last stamp (or after the read) is not believed: the
+# wall clock stepped between the arrival and the read; the read's own time is taken.
+_KERNEL_SLACK_NS = 5_000_000
+
+
+def ask_kernel_stamps(sock: socket.socket) -> None:
+    """Ask for the kernel's receive time with every read of this plain socket (where the
+    kernel cannot, reads carry none and their own time is the stamp)."""
+    if SO_TIMESTAMPNS is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+
+def kernel_ns(
+    anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, floor: int
+) -> int | None:
+    """The kernel's receive time of a read's bytes on the monotonic clock, or None.
+
+    The kernel stamps CLOCK_REALTIME; `wall_ns` was read right after `read_ns`, so
+    `wall_ns - read_ns` moves it onto the monotonic clock (exact unless the wall clock
+    stepped in between: then the stamp falls outside [floor, read_ns] and is not used).
+    A stamp a little before `floor` (the response's bytes can reach the kernel a few µs
+    before the client's own t1 stamp after its write returned) is taken as `floor`."""
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack_from(data)
+            k = int(sec) * 1_000_000_000 + int(nsec) - (wall_ns - read_ns)
+            if floor - _KERNEL_SLACK_NS <= k <= read_ns:
+                return max(k, floor)
+            return None
+    return None
+
+
+def tls_drain(sock: ssl.SSLSocket, data: bytes) -> tuple[bytes, bool]:
+    """The rest of what arrived with this read: the plaintext the TLS object holds
+    (`pending()`) and the records already in the socket buffer, read now without waiting
+    (one plain read takes all the kernel holds; a TLS read returns one record), to be
+    stamped with `data`. Returns (the bytes, whether the peer closed after them)."""
+    chunks = [data]
+    size = len(data)
+    closed = False
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        while size < 4 * 65536:
+            try:
+                more = sock.recv(65536)
+            except (ssl.SSLWantReadError, BlockingIOError, TimeoutError):
+                break  # nothing more yet
+            except OSError:
+                break  # the next read meets the failure and classifies it
+            if not more:
+                closed = True
+                break
+            chunks.append(more)
+            size += len(more)
+    finally:
+        sock.settimeout(timeout)
+    return (b"".join(chunks) if len(chunks) > 1 else data), closed
+
+
+def _status_class(status: int) -> str:
+    if status in (401, 403):
+        return "auth"
+    if status == 404:
+        return "not_found"
+    if 400 <= status < 500:
+        return "http_4xx"
+    return "http_5xx" if status >= 500 else "http_other"
+
+
+def finish(run: Run, status: int, t_end: int) -> None:
+    if not 200 <= status < 300:
+        code, detail, run.out.error_output_chars = _error_body(bytes(run.body))
+        raise Fail(_status_class(status), detail, code or str(status))
+    if run.stream:
+        run.parser.close()  # an unterminated event is discarded (WHATWG)
+        if run.parser.truncated:
+            raise Fail("truncated_stream", "stream ended inside an event")
+        if not run.done:
+            raise Fail("truncated_stream", "stream ended without the protocol's end marker")
+    else:
+        try:
+            info = run.adapter.whole(bytes(run.body))
+        except ProtocolError as exc:
+            raise Fail(exc.error_class, str(exc), raw=exc.raw) from None
+        # A whole response: every token arrives with the last byte, so there is a first
+        # event and a first token at t6, but no decode interval (TPOT is undefined).
+        run.count.source = info.count_source
+        run._account(info, t_end)
+        run.t["t5"] = None
+        if info.error is not None:
+            raise Fail("server_error_event", info.error, info.error_type)
+    if run.out.nonfinite:
+        raise Fail("nonfinite_number", "a numeric field is NaN or Infinity")
+
+
+def _header(headers: Any, name: bytes) -> str | None:
+    """One response header's value (h11 gives lower-case names), or None."""
+    for key, value in headers:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _error_body(body: bytes) -> tuple[str | None, str, int]:
+    """(code, detail, characters of generated text the error body carried)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the stack
+        return None, f"non-JSON error body ({len(body)} bytes)", 0
+    output = error_output_chars(obj)
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        code = str(err.get("type") or err.get("code") or "")
+        return code, str(err.get("message", ""))[:300], output
+    return None, "error body without an error object", output
+
+
+class PoolExhausted(Exception):
+    pass
+
+
+def prepare(
+    endpoint: Any,
+    adapter: Adapter,
+    body: dict[str, Any],
+    request_id: str,
+    stream: bool,
+    extra_headers: dict[str, str] | None,
+) -> tuple[str, list[tuple[str, str]], bytes]:
+    """The request's target, headers and payload (an h11 Request for either engine)."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    # the target's own headers (--header, the API key), then the call's, replace ours
+    extra = [*endpoint.headers, *(extra_headers or {}).items()]
+    given = {name.lower() for name, _ in extra}
+    ours = [
+        ("Host", endpoint.authority),
+        ("Content-Type", "application/json"),
+        ("Accept", "text/event-stream" if stream else "application/json"),
+        ("Content-Length", str(len(payload))),
+        ("X-Request-Id", request_id),
+        # Bytes are stamped as they arrive and parsed as SSE: a compressed body would be
+        # neither, so it is asked for in the clear (and refused if it comes otherwise).
+        ("Accept-Encoding", "identity"),
+    ]
+    fixed = ("host", "content-length")
+    headers = [(n, v) for n, v in ours if n.lower() in fixed or n.lower() not in given]
+    headers += [(n, v) for n, v in extra if n.lower() not in fixed]
+    return endpoint.path(adapter.path), headers, payload
+
+
+def wire(request: tuple[str, list[tuple[str, str]], bytes]) -> tuple[h11.Connection, bytes]:
+    """A new HTTP/1.1 client connection state and the request's bytes."""
+    target, headers, payload = request
+    conn = h11.Connection(h11.CLIENT)
+    data = conn.send(h11.Request(method="POST", target=target, headers=headers))
+    data += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
+    return conn, data
+
+
+def connect_fail(exc: BaseException, max_connections: int) -> Fail:
+    """The error class of a failed connect (TCP, then TLS)."""
+    if isinstance(exc, PoolExhausted):
+        return Fail("pool_exhausted", f"all {max_connections} connections busy")
+    if isinstance(exc, ConnectionRefusedError):
+        return Fail("connect_refused", str(exc))
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return Fail("tls_verify", exc.verify_message or str(exc))
+    if isinstance(exc, ssl.SSLError):
+        return Fail("tls_handshake", str(exc) or "TLS handshake failed")
+    if isinstance(exc, TimeoutError):
+        return Fail("connect_timeout", str(exc) or "connect timed out")
+    # no route, a link down: the network's doing (calculet_load.schema.netsigns)
+    return Fail("unreachable" if is_unreachable(exc) else "connect_refused", str(exc))
+
+
+def fail_into(out: Outcome, f: Fail, cancel: CancelAt) -> None:
+    out.error_class = f.error_class
+    out.error_detail = safe_text(f.detail[:ERROR_DETAIL_CHARS])
+    out.error_code = safe_text((f.code or f.error_class)[:ERROR_CODE_CHARS])
+    out.invalid_value = f.raw
+    if f.error_class == "cancelled" and out.cancelled_at is None:
+        out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+
+
+def run_stopped(out: Outcome) -> None:
+    """The run stopped and cut this request: keep what it measured."""
+    out.error_class = out.error_code = "cancelled"
+    out.error_detail = "cut when the run stopped"
+    out.cancelled_at = "run_stop"
+
+
+def conclude(
+    run: Run,
+    ns: dict[str, int | None],
+    max_tokens: int | None,
+    output_slack_tokens: int,
+) -> Outcome:
+    """The outcome's stamps, hash and count checks once the request ended."""
+    out = run.out
+    out.client_ns = ClientNs(
+        request_start=ns["t0"],
+        headers_sent=ns["t1"],
+        response_headers=ns["t2"],
+        first_event=run.t["t3"],
+        first_token=run.t["t4"],
+        last_token=run.t["t5"],
+        response_end=ns["t6"],
+    )
+    if out.output_tokens or out.events:
+        out.token_hash = run.hash.hexdigest()
+    if out.ok and out.server_total is not None and out.server_total != out.output_tokens:
+        if out.count_source == "chunks" and out.server_total > out.output_tokens:
+            # Without per-event usage a chunk is counted as one token, but a server may
+            # send several tokens in one chunk (llama.cpp holds a token that ends inside a
+            # UTF-8 character back and sends it with the next): the final usage total is
+            # the count. Fewer tokens than chunks stays a mismatch.
+            out.output_tokens = out.server_total
+            out.count_source = "chunks+usage_total"
+        elif out.count_source == "tokenizer":
+            # A local tokenizer counts each event's text on its own, which can split or
+            # merge differently from the model's own tokens: the server's total stays the
+            # request's count, the events keep the tokenizer's counts.
+            out.output_tokens = out.server_total
+            out.count_source = "tokenizer+usage_total"
+    if run.jump is not None and out.ok:
+        # Only a complete response: a stream cut by an error may end with tokens whose
+        # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds
+        # them back until the character completes, and it never did).
+        out.count_anomaly = run.jump
+    if max_tokens is not None and out.count_anomaly is None:
+        top = max(out.output_tokens, out.server_total or 0)
+        if top > max_tokens + output_slack_tokens:
+            out.count_anomaly = (
+                f"output {top} tokens above the requested max {max_tokens}"
+                f" (+{output_slack_tokens} slack)"
+            )
+    return out
+
+
+class Reads:
+    """The bookkeeping of one response's reads, whichever engine reads: which timeout
+    bounds the next read, the stamp each read gives its bytes (the kernel's receive time
+    where it gives one), the read waits and the first token's late bound."""
+
+    __slots__ = ("deadline", "eof", "first", "ns", "out", "returned", "run", "stamps", "t",
+                 "timeouts")  # fmt: skip
+
+    def __init__(
+        self, run: Run, ns: dict[str, int | None], timeouts: Timeouts, deadline: int,
+        stamps: bool,
+    ) -> None:  # fmt: skip
+        self.ns, self.timeouts, self.deadline = ns, timeouts, deadline
+        self.run = run
+        self.out = run.out
+        self.returned = 0  # when the last read returned
+        self.t = 0  # the stamp of the last read
+        self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
+        self.eof = False
+        self.stamps = stamps  # reads carry the kernel's receive time
+
+    def limit(self, now: int) -> tuple[float, str]:
+        """How long the next read may wait from `now` (s) and the error class if it does."""
+        if now >= self.deadline:
+            raise Fail("total_timeout", "total timeout reached")
+        # Any byte ends the first-byte wait, a partial status line included.
+        limit, kind = (
+            (self.timeouts.idle_s, "idle_timeout")
+            if self.first
+            else (self.timeouts.first_byte_s, "first_byte_timeout")
+        )
+        remaining = (self.deadline - now) / 1e9
+        if remaining < limit:
+            limit, kind = remaining, "total_timeout"
+        return limit, kind
+
+    def begin(self) -> int:
+        """Before a read: the floor of its kernel stamp (not before the last stamp)."""
+        self.run.read_prev = self.returned or self.ns["t1"] or self.ns["t0"]
+        return max(self.t, self.ns["t1"] or self.ns["t0"] or 0)
+
+    def receive(self, sock: socket.socket, clock: Clock, tls: bool) -> tuple[bytes, bool, bool]:
+        """Read what `sock` holds and stamp it (the socket's errors are the caller's to
+        classify): (the bytes, whether the peer closed after them, whether the stamp is
+        the read's own time: see `took`)."""
+        floor = self.begin()
+        kernel = None
+        if self.stamps:
+            data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
+            t = clock.mono_ns()  # stamp at the byte, before any parsing
+            kernel = kernel_ns(anc, t, clock.wall_ns(), floor)
+        else:
+            data = sock.recv(65536)
+            t = clock.mono_ns()  # stamp at the byte, before any parsing
+        closed = False
+        if data and tls:
+            data, closed = tls_drain(sock, data)  # type: ignore[arg-type]
+        return data, closed, self.took(data, closed, t, kernel)
+
+    def took(self, data: bytes, closed: bool, t: int, kernel: int | None) -> bool:
+        """A read returned `data` at `t` (`kernel`: its bytes' receive time, or None);
+        True when it was stamped with the read's own time (other streams may want theirs
+        before this one parses)."""
+        out = self.out
+        self.returned = t
+        by_read = False
+        if kernel is not None:
+            # The kernel's receive time: what the bytes waited for this read (the loop's
+            # lag, other streams' parsing) is not in the figures; it is kept as the
+            # request's read wait, the client's self-check.
+            wait = t - kernel
+            if out.read_wait_ns is None or wait > out.read_wait_ns:
+                out.read_wait_ns = wait
+            t = kernel
+            out.stamp_source = "kernel"
+            if out.late_bound_ns is None:
+                out.late_bound_ns = 0
+        elif data:
+            out.stamp_source = "read"
+            by_read = True
+        self.t = t
+        if len(self.first) < 5:
+            self.first += data[: 5 - len(self.first)]
+        self.eof = not data or closed
+        return by_read
+
+
+# what `respond` asks for (nothing) and is sent: a read's bytes and whether the peer closed
+Respond = Generator[None, tuple[bytes, bool], bool]
+
+
+def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
+    """Read the response from the bytes sent in (each after `rd.took`); returns whether
+    the connection may be reused. Raises Fail for everything a server can do wrong."""
+    run, ns = rd.run, rd.ns
+    out = run.out
+    status = 0
+    is_sse = False
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            # h11 also raises when the peer closes before the message is complete (inside
+            # the head, a Content-Length or a chunked body): that is a connection closed
+            # mid-response, not bad HTTP, unless what did come cannot start a status line.
+            if rd.eof and not rd.first:
+                out.unanswered = True
+                raise Fail("connection_reset", "closed before any response byte") from None
+            if rd.eof and (ns["t2"] is not None or b"HTTP/".startswith(rd.first)):
+                raise Fail("connection_reset", f"closed mid-response: {exc}") from None
+            raise Fail("malformed_http", str(exc)) from None
+        if event is h11.NEED_DATA:
+            data, closed = yield
+            conn.receive_data(data)
+            if closed:
+                conn.receive_data(b"")
+            continue
+        t = rd.t
+        if isinstance(event, h11.Response):
+            ns["t2"] = t
+            status = out.http_status = event.status_code
+            ctype = _header(event.headers, b"content-type") or ""
+            # media types are case-insensitive (RFC 9110 §8.3.1)
+            is_sse = ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
+            encoding = _header(event.headers, b"content-encoding")
+            if encoding and encoding.strip().lower() != "identity" and 200 <= status < 300:
+                raise Fail(
+                    "content_encoding",
+                    f"Content-Encoding {encoding!r} not requested (the client sent "
+                    "Accept-Encoding: identity); the body cannot be read as sent",
+                    raw=raw_text(encoding),
+                )
+            if 200 <= status < 300 and run.stream and not is_sse:
+                raise Fail("protocol_violation", f"stream requested, got content type {ctype!r}")
+            if is_sse and 200 <= status < 300 and _header(event.headers, b"transfer-encoding"):
+                # h11 accepts no transfer coding but chunked: the event stream's body is
+                # read on the fast path below (h11's per-chunk events and state machine
+                # cost a sixth of a worker's CPU per token event, measured with py-spy)
+                leftover, _ = conn.trailing_data
+                return (yield from _chunked(rd, ChunkedDecoder(leftover), status, cancel))
+        elif isinstance(event, h11.InformationalResponse):
+            continue
+        elif isinstance(event, h11.Data):
+            if is_sse and 200 <= status < 300:
+                _feed_sse(run, event.data, t, cancel)
+            else:
+                run.body += event.data
+                if len(run.body) > 64 * 2**20:
+                    raise Fail("protocol_violation", "response body over 64 MiB")
+        elif isinstance(event, h11.EndOfMessage):
+            ns["t6"] = t
+            finish(run, status, t)
+            return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+        elif isinstance(event, h11.ConnectionClosed):
+            raise Fail("connection_reset", "connection closed before the response ended")
+
+
+def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
+    if run.on_sse(data, t, cancel):
+        out = run.out
+        out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+        raise Fail("cancelled", f"cancelled at {out.cancelled_at}")
+
+
+def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> Respond:
+    """A chunked event stream's body, after h11 read the head: the bytes already read
+    first, then each read's chunks, decoded as h11 decodes them, to the last chunk."""
+    run = rd.run
+    data = b""
+    closed = False
+    while True:
+        try:
+            chunk = body.feed(data)
+        except ValueError as exc:
+            raise Fail("malformed_http", str(exc)) from None
+        if chunk:
+            _feed_sse(run, chunk, rd.t, cancel)
+        if body.done:
+            rd.ns["t6"] = rd.t
+            finish(run, status, rd.t)
+            return not body.rest and not closed
+        if closed or (rd.eof and not data):
+            raise Fail(
+                "connection_reset",
+                "closed mid-response: peer closed connection without sending complete "
+                "message body (incomplete chunked read)",
+            )
+        data, closed = yield
