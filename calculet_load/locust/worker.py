@@ -158,6 +158,7 @@ class Worker:
             timeouts=Timeouts.within(timeout),
             sink=self.sink,
             prompt_reuse=bool(self.opts.prompt_reuse),
+            io_engine=str(getattr(self.opts, "io_engine", "gevent")),
         )
         self.session.hooks.append(self._on_record)
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))
@@ -372,6 +373,7 @@ class Worker:
             wake=self.plan_changed,
             late_after_ms=float(opts.late_ms),
             why_full=" at the intended time",
+            early=self.session.io_engine == "thread",
         )
         loop.run()
         if not self.stopping:

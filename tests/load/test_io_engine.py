@@ -1,0 +1,97 @@
+"""The thread I/O engine (measure.engine) end to end: a real Locust process, open loop,
+`--io-engine thread`, against a real time-scaled simulator on loopback; its records
+against the simulator's own trace (same host, same monotonic clock).
+
+The hostile-server cases and the TLS proxy's run on both engines in their own files
+(tests/load/test_hostile.py, tests/load/test_tls_proxy.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.load.locustproc import LocustRun
+from tests.simproc import SimProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+# Same host, one clock: each token event's arrival against the server's flush of its
+# last token. On an idle machine the engine's arrivals trail the flush by 0.1-0.5 ms;
+# the bound leaves room for a suite running beside it.
+TOKEN_DELAY_MS = 50.0
+STAMP_LAG_MS = 5.0  # the server stamps a flush after its write returned
+
+
+def _server_rows(sim: SimProcess, want: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """The simulator's rows per request once every request in `want` has finished (its
+    trace writer flushes in the background)."""
+    deadline = time.monotonic() + 15
+    while True:
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for r in sim.traces("server_events"):
+            rows.setdefault(str(r.get("request_id")), []).append(r)
+        done = {rid for rid, rs in rows.items() if any(r["event"] == "finished" for r in rs)}
+        if want <= done or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def test_a_locust_open_loop_on_the_thread_engine_matches_the_simulator(
+    start_sim: Callable[..., SimProcess], tmp_path: Path
+) -> None:
+    sim = start_sim("--time-scale", "0.5")
+    run = LocustRun(
+        tmp_path,
+        sim.url,
+        [
+            *("--arrival", "poisson", "--rate", "20", "--seed", "11", "--io-engine", "thread"),
+            *("--prompt-tokens", "32", "--max-tokens", "12", "--start-delay", "1"),
+            *("-u", "1", "-r", "1"),
+        ],
+        workers=0,
+        run_time_s=5.0,
+    ).start()
+    try:
+        assert run.wait() == 0, run.log_text()
+        t = run.requests().to_pylist()
+    finally:
+        run.stop()
+    sent = [r for r in t if not r["ext.dropped"] and r["ext.cancelled_at"] != "run_stop"]
+    assert len(sent) >= 40, len(sent)  # ~20/s for ~4 s
+    assert all(r["ext.error_class"] is None for r in sent), [
+        (r["ext.error_class"], r["ext.error_detail"]) for r in sent
+    ]
+    truth = _server_rows(sim, {r["request_id"] for r in sent})
+    delays: list[float] = []
+    for r in sent:
+        assert r["ext.stamp_source"] == "kernel"  # the engine's reads carry the kernel's time
+        assert r["ext.intended_start_ns"] is not None and r["ext.send_lag_ms"] is not None
+        # sent at its intended time by the engine's timer, not before it
+        assert r["client_ns.request_start"] >= r["ext.intended_start_ns"]
+        flushes = sorted(
+            (int(x["step_index"]), int(x["mono_ns"]))
+            for x in truth[r["request_id"]]
+            if x["event"] == "token_flushed"
+        )
+        # the tokens the server flushed are the tokens the client counted
+        assert len(flushes) == r["ext.client_output_tokens"] == r["ext.server_output_tokens"] == 12
+        first, last = flushes[0][1], flushes[-1][1]
+        for stamp, flush in (
+            (r["client_ns.first_token"], first),
+            (r["client_ns.last_token"], last),
+        ):
+            delays.append((stamp - flush) / 1e6)
+    assert min(delays) > -STAMP_LAG_MS, min(delays)
+    assert max(delays) < TOKEN_DELAY_MS, max(delays)
+    lag = np.array([r["ext.send_lag_ms"] for r in sent])
+    print(
+        f"{len(sent)} requests; token delay p50 {np.median(delays):.3f} max {max(delays):.3f}"
+        f" ms; send lag p50 {np.median(lag):.3f} p99 {np.percentile(lag, 99):.3f} ms"
+    )
+    assert np.percentile(lag, 99) < 250  # as the gevent engine's open loop (test_locust_dist)
