@@ -9,7 +9,8 @@ records its own send times. Each client runs alone, pinned to core 0:
   --headless --arrival poisson --rate R --protocol openai-completions ...` (closed loop:
   `--arrival closed -u C`), its figures read from its run folder; then
   `calculet-load analyze` on that folder: its own verdict (exit 3 = the client says the
-  point is beyond its capacity).
+  point is beyond its capacity). `--io-engine gevent,thread` runs it once per I/O engine
+  (`calculet` = gevent, `calculet:thread` = measure.engine's thread), side by side.
 - `reference`: benchmarks/ref_client.py (asyncio + uvloop when installed, stamps at the
   byte's arrival, nothing else).
 - `--peers`: inference-perf in its own venv (installed on first use under
@@ -27,6 +28,8 @@ Usage:
   .venv/bin/python benchmarks/client_speed.py --quick           # 2 rates, 1 level, 8 s
   .venv/bin/python benchmarks/client_speed.py --rates 20,80,320 --concurrency 16 \
       --seconds 20 --clients calculet,reference --json out.json
+  .venv/bin/python benchmarks/client_speed.py --rates 20,80,160,320 --concurrency 64,256 \
+      --io-engine gevent,thread                                 # both engines, the reference
 """
 
 from __future__ import annotations
@@ -223,10 +226,12 @@ def run_calculet(
     tmp: Path,
     core: int | None,
     tree: Path = REPO,
+    engine: str = "gevent",
 ) -> None:
     """calculet-load's Locust user, from this checkout or another one (`tree`: a
-    baseline, e.g. `git archive COMMIT | tar -x -C DIR`), as a user runs it."""
-    run_dir = tmp / f"{p.client}-{p.mode}-{p.level:g}"
+    baseline, e.g. `git archive COMMIT | tar -x -C DIR`), as a user runs it, on the I/O
+    engine `engine` (--io-engine; a baseline tree is run without the option)."""
+    run_dir = tmp / f"{p.client.replace(':', '-')}-{p.mode}-{p.level:g}"
     env = dict(os.environ)
     env.pop("LOCUST_ACCURACY_MS", None)  # its own verdict at the default budget (10 ms)
     if tree != REPO:
@@ -238,6 +243,8 @@ def run_calculet(
         "--max-tokens", "64", "--run-dir", str(run_dir), "--only-summary",
         "--max-in-flight", "4096", "-t", f"{seconds + 3:g}s", "--stop-timeout", "5",
     ]  # fmt: skip
+    if engine != "gevent":
+        cmd += ["--io-engine", engine]
     if p.mode == "poisson":
         cmd += ["--arrival", "poisson", "--rate", str(p.level), "-u", "1", "-r", "1"]
     else:
@@ -423,7 +430,7 @@ def row(p: Point) -> str:
 
     ratio = f"{p.cpu_ratio:5.2f}x" if np.isfinite(p.cpu_ratio) else f"{'-':>6}"
     return (
-        f"  {p.client:<10} {p.label:>8} {p.requests:>6} {p.failed:>4} {p.rate:>7.1f} "
+        f"  {p.client:<15} {p.label:>8} {p.requests:>6} {p.failed:>4} {p.rate:>7.1f} "
         f"{f('ttft_p50')} {f('ttft_p99')} {f('itl_p50')} {f('itl_p99')} {f('tpot_p50')} "
         f"{f('tpot_p99')} {p.cpu_percent:>5.0f} {p.cpu_us_per_request:>7.0f} {ratio}  "
         f"{p.verdict}"
@@ -431,7 +438,7 @@ def row(p: Point) -> str:
 
 
 HEADER = (
-    f"  {'client':<10} {'point':>8} {'reqs':>6} {'fail':>4} {'req/s':>7} "
+    f"  {'client':<15} {'point':>8} {'reqs':>6} {'fail':>4} {'req/s':>7} "
     f"{'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8} "
     f"{'TPOT p99':>8} {'cpu%':>5} {'µs/req':>7} {'×ref':>6}  verdict"
 )
@@ -445,6 +452,31 @@ MEANING = """\
   codes (Locust run, then `calculet-load analyze`); FLAGGED = it said the point is not
   to be trusted (exit 3). Load average is printed beside the run: a busy machine makes
   every client look worse; compare clients within one run."""
+
+
+def engine_client(engine: str) -> str:
+    """The client name of calculet-load on one I/O engine."""
+    return "calculet" if engine == "gevent" else f"calculet:{engine}"
+
+
+def summary(name: str, points: list[Point]) -> None:
+    """The highest rate within the budget, and the points beyond it the verdict missed."""
+    ours = [p for p in points if p.mode == "poisson"]
+    ok = [p.level for p in ours if p.err.get("ttft_p99", float("inf")) <= BUDGET_MS]
+    if ours:
+        print(
+            f"  {name}: highest Poisson rate with TTFT p99 error <= {BUDGET_MS:g} ms: "
+            f"{max(ok):g} req/s"
+            if ok
+            else f"  {name}: no rate within the budget"
+        )
+    beyond = [p for p in points if p.err.get("ttft_p99", float("inf")) > BUDGET_MS]
+    silent = [p.label for p in beyond if "FLAGGED" not in p.verdict]
+    print(
+        f"  {name}: points beyond {BUDGET_MS:g} ms TTFT p99 error: "
+        f"{', '.join(p.label for p in beyond) or 'none'}; not flagged by its own "
+        f"verdict: {', '.join(silent) or 'none'}"
+    )
 
 
 def main() -> None:
@@ -464,6 +496,12 @@ def main() -> None:
         "--baseline-tree",
         help="also run calculet-load from this source tree as client 'baseline' (before/after)",
     )
+    ap.add_argument(
+        "--io-engine",
+        default="gevent",
+        help="calculet-load's I/O engines, comma-separated (gevent,thread): each runs as "
+        "its own client, 'calculet' (gevent) and 'calculet:thread', side by side",
+    )
     ap.add_argument("--no-pin", action="store_true", help="do not pin server and client")
     ap.add_argument("--json", help="also write every point as JSON to this file")
     args = ap.parse_args()
@@ -472,10 +510,17 @@ def main() -> None:
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    engines = [e.strip() for e in args.io_engine.split(",") if e.strip()]
+    if bad := [e for e in engines if e not in ("gevent", "thread")]:
+        raise SystemExit(f"--io-engine: unknown engine(s) {', '.join(bad)} (gevent, thread)")
+    if "calculet" in clients:
+        at = clients.index("calculet")
+        clients[at : at + 1] = [engine_client(e) for e in engines]
     if args.peers:
         clients.append("inference-perf")
     if args.baseline_tree:
-        clients.insert(clients.index("calculet") if "calculet" in clients else 0, "baseline")
+        ours_at = [i for i, c in enumerate(clients) if c.startswith("calculet")]
+        clients.insert(ours_at[0] if ours_at else 0, "baseline")
     pin = not args.no_pin and (os.cpu_count() or 1) > 1
     client_core, server_core = (0, 1) if pin else (None, None)
     if pin:
@@ -505,8 +550,9 @@ def main() -> None:
                 for client in clients:
                     p = Point(client, mode, level)
                     server.truth()  # forget anything left over
-                    if client == "calculet":
-                        run_calculet(server, p, args.seconds, tmp, client_core)
+                    if client.startswith("calculet"):
+                        engine = client.partition(":")[2] or "gevent"
+                        run_calculet(server, p, args.seconds, tmp, client_core, engine=engine)
                     elif client == "baseline":
                         tree = Path(args.baseline_tree).resolve()
                         run_calculet(server, p, args.seconds, tmp, client_core, tree)
@@ -523,28 +569,13 @@ def main() -> None:
                     points.append(p)
                     print(row(p), flush=True)
                     if p.note:
-                        print(f"  {'':<10} {'':>8} note: {p.note}", flush=True)
+                        print(f"  {'':<15} {'':>8} note: {p.note}", flush=True)
     finally:
         server.stop()
     la = os.getloadavg()
     print(f"  load average at the end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
-    ours = [p for p in points if p.client == "calculet" and p.mode == "poisson"]
-    ok = [p.level for p in ours if p.err.get("ttft_p99", float("inf")) <= BUDGET_MS]
-    if ours:
-        print(
-            f"  calculet: highest Poisson rate with TTFT p99 error <= {BUDGET_MS:g} ms: "
-            f"{max(ok):g} req/s"
-            if ok
-            else "  calculet: no rate within the budget"
-        )
-        beyond = [p for p in points if p.client == "calculet" and (
-            p.err.get("ttft_p99", float("inf")) > BUDGET_MS)]  # fmt: skip
-        silent = [p.label for p in beyond if "FLAGGED" not in p.verdict]
-        print(
-            f"  calculet: points beyond {BUDGET_MS:g} ms TTFT p99 error: "
-            f"{', '.join(p.label for p in beyond) or 'none'}; not flagged by its own "
-            f"verdict: {', '.join(silent) or 'none'}"
-        )
+    for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
+        summary(name, [p for p in points if p.client == name])
     print(MEANING)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1))
