@@ -303,8 +303,8 @@ class _Response(Reads):
     """One response's reads on the loop: each read as its bytes arrive, stamped first,
     then sent into `respond`; the read timeouts on one lazily re-armed timer."""
 
-    __slots__ = ("clock", "expiry", "fd", "fut", "gen", "kind", "limit_s", "loop", "sock",
-                 "timer", "timer_at", "tls")  # fmt: skip
+    __slots__ = ("clock", "expiry", "fd", "fut", "gen", "kind", "limit_s", "loop", "since",
+                 "sock", "timer", "timer_at", "tls")  # fmt: skip
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Any, run: Run,
@@ -317,6 +317,7 @@ class _Response(Reads):
         self.fut: asyncio.Future[bool] = loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = self.expiry = 0  # time.monotonic_ns of the timer, of the limit
+        self.since = 0  # time.monotonic_ns of the last read (or of the request's send)
         self.kind, self.limit_s = "", 0.0
         self.gen = respond(conn, self, cancel)
         next(self.gen)  # to its first read
@@ -332,10 +333,11 @@ class _Response(Reads):
                 self.timer.cancel()
 
     def _arm(self) -> None:
-        """The next read's limit (Fail when the total deadline passed); the timer moves
-        only when the limit comes sooner than it."""
+        """The next read's limit from now (Fail when the total deadline passed); the
+        timer moves only when the limit comes sooner than it."""
+        self.since = time.monotonic_ns()
         self.limit_s, self.kind = self.limit(self.clock.mono_ns())
-        self.expiry = time.monotonic_ns() + int(self.limit_s * 1e9)
+        self.expiry = self.since + int(self.limit_s * 1e9)
         if self.timer is None or self.timer_at > self.expiry:
             if self.timer is not None:
                 self.timer.cancel()
@@ -343,9 +345,17 @@ class _Response(Reads):
             self.timer = self.loop.call_later(max(self.limit_s, 0.001), self._on_timer)
 
     def _on_timer(self) -> None:
+        """A read waited its limit, or the timer is early: the limit runs from the last
+        read (`since`), worked out here rather than at every read."""
         self.timer = None
         if self.fut.done():
             return
+        try:
+            self.limit_s, self.kind = self.limit(self.returned or self.clock.mono_ns())
+        except Fail as f:
+            self.fut.set_exception(f)
+            return
+        self.expiry = self.since + int(self.limit_s * 1e9)
         left = self.expiry - time.monotonic_ns()
         if left > 0:
             self.timer_at = self.expiry
@@ -356,6 +366,7 @@ class _Response(Reads):
     def _on_readable(self) -> None:
         if self.fut.done():
             return
+        fresh = not self.first  # no byte yet: this read ends the first-byte wait
         try:
             try:
                 data, closed, _ = self.receive(self.sock, self.clock, self.tls)
@@ -365,7 +376,10 @@ class _Response(Reads):
                 self.out.unanswered = not self.first
                 raise Fail("connection_reset", str(exc)) from None
             self.gen.send((data, closed))
-            self._arm()
+            if fresh or self.returned >= self.deadline:
+                self._arm()  # the first bytes end the first-byte wait; past the deadline
+            else:
+                self.since = time.monotonic_ns()  # the idle limit runs from here
         except StopIteration as end:
             self.fut.set_result(end.value)
         except Exception as exc:  # Fail, or a bug: the caller's to raise
