@@ -13,10 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gevent
 import numpy as np
 import pytest
 
+from calculet_load.measure.prompts import Prompt
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.schema.records import RequestRecord
+from tests.load.hostile import Sleep, serve
 from tests.load.locustproc import LocustRun
+from tests.load.test_hostile import CHUNKED_HEAD, L1, chunk
 from tests.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,3 +101,30 @@ def test_a_locust_open_loop_on_the_thread_engine_matches_the_simulator(
         f" ms; send lag p50 {np.median(lag):.3f} p99 {np.percentile(lag, 99):.3f} ms"
     )
     assert np.percentile(lag, 99) < 250  # as the gevent engine's open loop (test_locust_dist)
+
+
+@pytest.mark.parametrize("engine", ["gevent", "thread"])
+def test_a_request_cut_when_the_run_stops_keeps_its_record(engine: str) -> None:
+    """Locust kills a user's greenlet mid-request at a stop: on either engine the request
+    is recorded as cancelled at run_stop with what it measured, and its connection is not
+    kept."""
+    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=8, reuse=True)
+    records: list[RequestRecord] = []
+    with serve([CHUNKED_HEAD + chunk(L1), Sleep(5.0)]) as server:
+        session = Session(RunContext("stop", "w00"), server.url, "llama", io_engine=engine)
+        session.hooks.append(lambda record, _out: records.append(record))
+        g = gevent.spawn(session.send, spec)
+        gevent.sleep(0.3)  # the head and one token are in
+        start = time.monotonic()
+        g.kill(timeout=5)
+        assert time.monotonic() - start < 1.0
+        assert session.pool.open == 0
+        session.close()
+    assert len(records) == 1
+    ext = records[0].ext
+    assert (ext.error_class, ext.cancelled_at, ext.client_output_tokens) == (
+        "cancelled",
+        "run_stop",
+        1,
+    )
+    assert records[0].client_ns.first_token is not None
