@@ -119,6 +119,7 @@ class Point:
     cpu_ratio: float = float("nan")  # cpu per request / the reference's
     verdict: str = ""  # calculet: its own verdict (exit code and what it named)
     note: str = ""
+    load: float = float("nan")  # the 1-minute load average when the point started
 
     @property
     def label(self) -> str:
@@ -432,15 +433,15 @@ def row(p: Point) -> str:
     return (
         f"  {p.client:<15} {p.label:>8} {p.requests:>6} {p.failed:>4} {p.rate:>7.1f} "
         f"{f('ttft_p50')} {f('ttft_p99')} {f('itl_p50')} {f('itl_p99')} {f('tpot_p50')} "
-        f"{f('tpot_p99')} {p.cpu_percent:>5.0f} {p.cpu_us_per_request:>7.0f} {ratio}  "
-        f"{p.verdict}"
+        f"{f('tpot_p99')} {p.cpu_percent:>5.0f} {p.cpu_us_per_request:>7.0f} {ratio} "
+        f"{p.load:>5.2f}  {p.verdict}"
     )
 
 
 HEADER = (
     f"  {'client':<15} {'point':>8} {'reqs':>6} {'fail':>4} {'req/s':>7} "
     f"{'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8} "
-    f"{'TPOT p99':>8} {'cpu%':>5} {'µs/req':>7} {'×ref':>6}  verdict"
+    f"{'TPOT p99':>8} {'cpu%':>5} {'µs/req':>7} {'×ref':>6} {'load':>5}  verdict"
 )
 
 MEANING = """\
@@ -448,9 +449,11 @@ MEANING = """\
   (positive: the client reports later/longer than what happened). req/s is what the
   server received in the steady middle of the point; cpu% and µs/req are the client
   process's own CPU over that window (one core = 100); ×ref is µs/req over the
-  reference client's at the same point of this run. verdict: calculet-load's own exit
-  codes (Locust run, then `calculet-load analyze`); FLAGGED = it said the point is not
-  to be trusted (exit 3). Load average is printed beside the run: a busy machine makes
+  reference client's at the same point of this run; load is the 1-minute load average
+  when the point started (the machine's other work and the previous point). verdict:
+  calculet-load's own exit codes (Locust run, then `calculet-load analyze`); FLAGGED = it
+  said the point is not to be trusted (exit 3). Load average is printed beside the run: a
+  busy machine makes
   every client look worse; compare clients within one run."""
 
 
@@ -548,7 +551,7 @@ def main() -> None:
             for mode, level in grid:
                 ref: Point | None = None
                 for client in clients:
-                    p = Point(client, mode, level)
+                    p = Point(client, mode, level, load=os.getloadavg()[0])
                     server.truth()  # forget anything left over
                     if client.startswith("calculet"):
                         engine = client.partition(":")[2] or "gevent"
