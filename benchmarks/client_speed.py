@@ -452,9 +452,8 @@ MEANING = """\
   reference client's at the same point of this run; load is the 1-minute load average
   when the point started (the machine's other work and the previous point). verdict:
   calculet-load's own exit codes (Locust run, then `calculet-load analyze`); FLAGGED = it
-  said the point is not to be trusted (exit 3). Load average is printed beside the run: a
-  busy machine makes
-  every client look worse; compare clients within one run."""
+  said the point is not to be trusted (exit 3). A busy machine makes every client look
+  worse: compare clients within one run."""
 
 
 def engine_client(engine: str) -> str:
