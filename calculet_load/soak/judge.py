@@ -116,11 +116,12 @@ def judge(r: StageResult) -> Judgement:
     if p.client_rss_max_slope_mib_per_h is not None:
         gate = p.client_rss_max_slope_mib_per_h
         client = _client_slopes(r.run_dir / "client" / "resources.jsonl", r.analysis)
-        slopes = [s["slope_mib_per_h"] for s in client["segments"]
-                  if s.get("slope_mib_per_h") is not None]  # fmt: skip
+        judged = [s for s in client["segments"] if s.get("slope_mib_per_h") is not None]
         observed = client["segments"][0] if len(client["segments"]) == 1 else client
-        cond("client memory flat", "client", all(s <= gate for s in slopes) if slopes else None,
-             f"RSS slope <= {gate:g} MiB/h"
+        cond("client memory flat", "client",
+             all(memory_flat(s, p) for s in judged) if judged else None,
+             f"RSS slope <= {gate:g} MiB/h, or a fitted rise under "
+             f"{p.client_rss_min_rise_mib:g} MiB"
              + (" in each client process (not joined across a restart)" if gaps else ""),
              observed)  # fmt: skip
     analysis_code, judged_doc = _analysis(r.analysis, r.run_dir, r.rules, notes)
@@ -357,7 +358,17 @@ def _client_slope(rows: list[dict[str, Any]], door: AnalysisDoor | None) -> dict
         return out
     fit = door.theil_sen([t[i] for i in keep], [y[i] for i in keep])
     out["slope_mib_per_h"] = round(float(fit.slope) * 3600.0, 3)
+    # the rise the fit gives over the judged span: what the per-hour slope is made of
+    out["rise_mib"] = round(float(fit.slope) * (t[-1] - t[keep[0]]), 3)
     return out
+
+
+def memory_flat(segment: dict[str, Any], p: PassConditions) -> bool:
+    """A judged client process' RSS is flat: its slope under the gate, or the rise it
+    fits over the judged span under the allocators' step."""
+    gate = p.client_rss_max_slope_mib_per_h
+    slope_ok = gate is None or segment["slope_mib_per_h"] <= gate
+    return slope_ok or segment["rise_mib"] < p.client_rss_min_rise_mib
 
 
 def _client_slopes(path: Path, door: AnalysisDoor | None) -> dict[str, Any]:

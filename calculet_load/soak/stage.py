@@ -60,6 +60,11 @@ class PassConditions(_M):
     golden: bool = False  # the golden set before and after (needs --golden)
     # client RSS growth above this (MiB per hour of real time, Theil–Sen) fails
     client_rss_max_slope_mib_per_h: float | None = Field(default=256.0, ge=0)
+    # ... unless the fitted rise over the judged span is under this (MiB): allocators grow
+    # in steps of this order for minutes after start (Python's arenas, Arrow's pool), so a
+    # short stage's per-hour slope of a 1-2 MiB creep is not a trend (measured: a 36 s dev
+    # rehearsal's creep was 80-265 MiB/h between runs of the same tree)
+    client_rss_min_rise_mib: float = Field(default=8.0, ge=0)
     analysis: bool = True  # `calculet-load analyze` must exit 0
 
 

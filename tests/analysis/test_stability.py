@@ -276,3 +276,27 @@ def test_fragmentation_series_are_read_from_metrics_and_admin_state() -> None:
     assert got == {"kv_free_blocks": 12, "kv_largest_free_extent_tokens": 640}
     state = _from_state({"kv": {"free_blocks": 3, "largest_free_extent_tokens": 48}})
     assert (state["kv_free_blocks"], state["kv_largest_free_extent_tokens"]) == (3, 48)
+
+
+@pytest.mark.parametrize(
+    ("rise_mib", "flat"),
+    [(2.0, True), (20.0, False)],
+    ids=["allocator-creep", "leak"],
+)
+def test_client_memory_is_judged_on_its_slope_and_its_rise(rise_mib: float, flat: bool) -> None:
+    """A 36 s stage: a 2 MiB creep is 200 MiB/h (under the 256 gate) or more, but it is
+    under the allocators' step (8 MiB) and no trend; a 20 MiB rise is a leak either way."""
+    from calculet_load.commands.door import analysis_door
+    from calculet_load.soak.judge import _client_slope, memory_flat
+    from calculet_load.soak.stage import PassConditions
+
+    rows = [{"mono_ns": int(i * 0.5e9), "rss_bytes": int((170 + rise_mib * i / 72) * 2**20)}
+            for i in range(73)]  # fmt: skip
+    seg = _client_slope(rows, analysis_door())
+    assert seg["span_real_s"] == 36.0
+    # the fit spans the 90 % after the warmup
+    assert seg["rise_mib"] == pytest.approx(rise_mib * 0.9, rel=0.02)
+    assert seg["slope_mib_per_h"] == pytest.approx(rise_mib / 36 * 3600, rel=0.02)
+    assert memory_flat(seg, PassConditions()) is flat
+    # a stage that asks for a stricter floor judges the creep by its slope alone
+    assert memory_flat(seg, PassConditions(client_rss_min_rise_mib=0)) is (rise_mib < 2.5)

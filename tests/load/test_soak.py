@@ -105,12 +105,13 @@ def test_dev_rehearsal_passes_without_leak(start_sim: StartSim, tmp_path: Path) 
     assert c["no leak"]["ok"] is True and not c["no leak"]["observed"]["leaking"]
     assert c["no hang"]["ok"] and c["no abort"]["ok"] and c["error rate"]["ok"]
     assert c["analysis"]["ok"]
-    # the client's memory is flat over the stage (Theil–Sen slope under the gate): the
-    # stage's own condition, judged here (not "n/a")
+    # the client's memory is flat over the stage (Theil–Sen slope under the gate, or a
+    # rise under the allocators' step): the stage's own condition, judged here (not "n/a")
     client = c["client memory flat"]
     assert client["ok"] is True, client
     assert client["observed"]["samples"] >= 40
-    assert client["observed"]["slope_mib_per_h"] <= 256
+    obs = client["observed"]
+    assert obs["slope_mib_per_h"] <= 256 or obs["rise_mib"] < 8, obs
     assert c["client continuity"]["ok"] is True and doc["gaps"] == []
     # the default infrastructure checks ran (bounded, not disabled)
     infra = {r["rule"]: r for r in json.loads((tmp_path / "verdict.json").read_text())["verdicts"]
