@@ -48,6 +48,7 @@ def _server_rows(sim: SimProcess, want: set[str]) -> dict[str, list[dict[str, An
         time.sleep(0.2)
 
 
+@pytest.mark.serial  # ms stamps against the server's: a busy machine delays its flush stamp
 def test_a_locust_open_loop_on_the_thread_engine_matches_the_simulator(
     start_sim: Callable[..., SimProcess], tmp_path: Path
 ) -> None:
