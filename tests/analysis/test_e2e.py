@@ -36,7 +36,7 @@ def _finish(sim: SimProcess, run: LocustRun) -> str:
     return str(run.run_dir)
 
 
-@pytest.mark.serial  # two real-time runs compared: on a busy machine the interval widens
+@pytest.mark.quiet  # two real-time runs compared: on a busy machine the interval widens
 def test_slower_decode_is_a_regression_and_the_same_build_is_not(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],
