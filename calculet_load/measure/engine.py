@@ -179,15 +179,11 @@ class EnginePool(ConnectionPool):
         self.engine = engine or IoEngine.shared()
 
     def acquire(self, connect_timeout: float, fresh: bool = False) -> tuple[socket.socket, bool]:
-        raise TypeError("the thread engine's pool connects on its loop (acquire_async)")
+        raise TypeError("the thread engine's pool connects on its loop (take, open_new)")
 
-    async def acquire_async(
-        self, connect_timeout: float, fresh: bool
-    ) -> tuple[socket.socket, bool]:
-        sock = self.take(fresh)
-        if sock is not None:
-            return sock, True
-        return await self._open(connect_timeout), False
+    async def open_new(self, connect_timeout: float) -> socket.socket:
+        """A new connection (counted against the cap `take` checked)."""
+        return await self._open(connect_timeout)
 
     async def _open(self, connect_timeout: float) -> socket.socket:
         self.open += 1
@@ -413,15 +409,28 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     out = Outcome(job.request_id)
     run = Run(job.adapter, out, clock, job.stream, None, job.count_text)
     conn, data = wire(job.request)
+    sock: socket.socket | None = None
+    taken: BaseException | None = None
+    try:
+        # An idle connection is taken before t0: its liveness check is a system call,
+        # and after one this thread may wait for the interpreter lock (the greenlets
+        # hold it) between t0 and the send, a delay no self-check sees. A new connection
+        # is opened after t0, as on gevent: its connect is the request's.
+        sock = pool.take(fresh)
+    except PoolExhausted as exc:
+        taken = exc
     out.wall_anchor_ns = clock.wall_ns()
     t0 = clock.mono_ns()
     ns: dict[str, int | None] = {"t0": t0, "t1": None, "t2": None, "t6": None}
-    sock: socket.socket | None = None
     reusable = False
     deadline = t0 + int(timeouts.total_s * 1e9)
     try:
         try:
-            sock, out.connection_reused = await pool.acquire_async(timeouts.connect_s, fresh)
+            if taken is not None:
+                raise taken
+            out.connection_reused = sock is not None
+            if sock is None:
+                sock = await pool.open_new(timeouts.connect_s)
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
         limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)
