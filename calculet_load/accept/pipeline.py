@@ -161,7 +161,8 @@ class Pipeline:
         t = self.target = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
-        self.rtt = RttRounds(self.url)  # issue 15: RTT and jitter from this process (§5)
+        # issue 15: RTT and jitter from this process (§5), on the profile's health path
+        self.rtt = RttRounds(self.access, path=t.profile.health_probe_path)
         self.idle = self._idle_criterion()  # §8.2, from the rules file (exit 2 if invalid)
         self.run_dir = Path(opts.run_dir or Path("runs") / self.manifest.run_id)
         self.cells = self.matrix.expanded()

@@ -60,6 +60,8 @@ from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.measure.sink import PartSink
+from calculet_load.schema.access import AccessError, access_described
+from calculet_load.schema.profiles import profile_named
 from calculet_load.schema.records import Hardware, Software
 from calculet_load.target.netprobe import RttRounds
 from calculet_load.workload.dispatch import CellRunner, FleetError, Share
@@ -305,7 +307,7 @@ def _worker_info(name: str) -> dict[str, Any]:
 class Agent:
     """One accept run on a Locust worker: a session, a spool sink and its self-watch."""
 
-    def __init__(self, job: dict[str, Any]) -> None:
+    def __init__(self, job: dict[str, Any], opts: Any = None) -> None:
         self.run_id = str(job["run_id"])
         self.name = str(job["worker"])
         ctx = job["context"]
@@ -322,9 +324,12 @@ class Agent:
         self.spool = Path(tempfile.mkdtemp(prefix="calculet-spool-", dir=spool_root))
         self.sink = PartSink(str(self.spool), self.name)
         timeout = float(target["timeout_s"])
+        # TLS, base path, headers and key rebuilt here: secrets do not travel (the key is
+        # read from the same file or variable on this host; `opts`: this worker's options)
+        access = access_described(target.get("access") or {"url": target["url"]}, opts)
         self.session = Session(
             context,
-            target["url"],
+            access,
             target["protocol"],
             model=target.get("model"),
             max_in_flight=1024,
@@ -335,7 +340,7 @@ class Agent:
         self.watch = SelfWatch(self.sink, self.name, in_flight=lambda: self.session.in_flight)
         self.watch.start()
         self.factory = target_prompts(
-            target["url"],
+            access,
             target["protocol"],
             SimpleNamespace(profile=target.get("profile"), tokenizer=target.get("tokenizer")),
         )
@@ -344,7 +349,11 @@ class Agent:
         self.cells = CellRunner(self.session, self.prompt)
         self.pending: dict[str, Share] = {}
         self.shipped: set[str] = set()
-        self.rtt = RttRounds(target["url"])  # issue 15: RTT and jitter from this host (§5)
+        # issue 15: RTT and jitter from this host (§5), on the profile's health path
+        self.rtt = RttRounds(
+            access,
+            path=profile_named(target.get("profile") or "calculet").health_probe_path,
+        )
 
     def prompt(self, tokens: int, sample: int) -> Prompt:
         key = (tokens, sample)
@@ -394,7 +403,7 @@ def _on_share(environment: Environment, msg: Any, **_kw: Any) -> None:
     try:
         agent = AGENTS.get(job["run_id"])
         if agent is None:
-            agent = AGENTS[job["run_id"]] = Agent(job)
+            agent = AGENTS[job["run_id"]] = Agent(job, environment.parsed_options)
             agent.rtt.take("before")
             info = {**_worker_info(agent.name), "target_rtt": agent.rtt.record()}
         share = Share.from_wire(msg.data["share"])
@@ -403,6 +412,8 @@ def _on_share(environment: Environment, msg: Any, **_kw: Any) -> None:
         agent.pending[task] = share
     except WorkloadError as exc:
         error, infra = f"cannot build a prompt: {exc}", False
+    except AccessError as exc:  # this host lacks the key or a secret header: config, exit 2
+        error, infra = f"cannot reach the target from this worker: {exc}", False
     except (OSError, ValueError, KeyError) as exc:
         error, infra = f"cannot prepare the share: {exc}", True
     data = {"task": task, "worker": job["worker"], "error": error, "infra": infra, "info": info}

@@ -176,7 +176,7 @@ class Worker:
         self.burst_sends: dict[str, list[int]] = {}  # burst id -> [first t0, last t0, sent]
         self.session.hooks.append(self._note_burst_send)
         self.rtt_rounds: list[dict[str, Any]] = []
-        self._rtt = gevent.spawn(self._rtt_loop, host.rstrip("/"))
+        self._rtt = gevent.spawn(self._rtt_loop)
         # counted per finished request (a listener on every token event would make the
         # session fire an event per token: measured, 2 % of a worker's CPU)
         self.token_events_seen = 0
@@ -291,12 +291,13 @@ class Worker:
         s = self.burst_sends.setdefault(record.ext.burst_id, [t0, t0, 0])
         s[0], s[1], s[2] = min(s[0], t0), max(s[1], t0), s[2] + 1
 
-    def _rtt_loop(self, url: str) -> None:
+    def _rtt_loop(self) -> None:
         """RTT and jitter to the target (§5): one round before the schedule starts, then
         one every --rtt-every s while the run goes on (0: the first only)."""
         samples = int(getattr(self.opts, "rtt_samples", 0) or 0)
         every_s = float(getattr(self.opts, "rtt_every", 0.0) or 0.0)
         phase = "before"
+        path = profile_named(self.opts.target_profile).health_probe_path
         # The worker's own start-up (imports, Locust's spawn, and its prompts, tokenization
         # and connections, which load the target too) would stretch the round trips:
         # measured, by 25-60 ms. The first round waits for it to end.
@@ -304,7 +305,9 @@ class Worker:
         gevent.sleep(RTT_SETTLE_S)
         while samples > 0 and not self.stopping:
             try:  # a native thread: the round trips are not stretched by this loop's lag
-                row = off_loop(lambda: measure_round(url, samples, clock=self.clock))
+                row = off_loop(
+                    lambda: measure_round(self.access, samples, path=path, clock=self.clock)
+                )
             except ValueError as exc:
                 log.warning("%s: no RTT measurement: %s", self.name, exc)
                 return

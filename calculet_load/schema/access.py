@@ -20,6 +20,11 @@ root, so `…/llm/v1` + `/v1/completions` is `/llm/v1/completions` (never `/v1/v
 (Authorization, Cookie, anything with key, token, secret or password in its name) are
 kept out of `repr` and replaced by `<redacted>` in `describe()`, the only form that is
 written anywhere (manifest copies, the client index, plans, logs, reports).
+
+**Distributed runs.** Secrets never travel between hosts: a distributed `accept` sends
+its workers the description only, and each worker rebuilds the access on its own host
+(`access_described`): the API key from the same file or variable there, a secret header
+from the worker's own `--header`.
 """
 
 from __future__ import annotations
@@ -327,4 +332,34 @@ def access_from(args: Any, url: str, target: Any = None) -> TargetAccess:
         headers=tuple(parse_header(h) for h in header_lines),
         api_key_file=key_file or None,
         api_key_env=key_env or None,
+    )
+
+
+def access_described(desc: Mapping[str, Any], args: Any = None) -> TargetAccess:
+    """The access a `describe()` stands for, rebuilt on this host (a distributed run's
+    worker): the API key from the same file or variable here, and this host's own
+    access options (`args`, parsed) over the description. A secret header is redacted
+    in the description, so this host must give it with its own --header; AccessError
+    names it otherwise."""
+    own = dict(parse_header(h) for h in (getattr(args, "header", None) or []))
+    own_names = {n.lower() for n in own}
+    headers = [(n, v) for n, v in (desc.get("headers") or {}).items() if n.lower() not in own_names]
+    for name, value in headers:
+        if value == REDACTED:
+            raise AccessError(
+                f"header {name}: its value is secret and is not sent to workers; "
+                f"start this worker with --header '{name}: ...'"
+            )
+    key = desc.get("api_key") or {}
+    key_file = getattr(args, "api_key_file", None) or None
+    key_env = getattr(args, "api_key_env", None) or None
+    if not key_file and not key_env:
+        key_file, key_env = key.get("file"), key.get("env")
+    return TargetAccess(
+        str(desc["url"]),
+        ca_file=getattr(args, "ca_file", None) or desc.get("ca_file"),
+        insecure=bool(getattr(args, "insecure", False) or desc.get("insecure")),
+        headers=tuple(headers) + tuple(own.items()),
+        api_key_file=key_file,
+        api_key_env=key_env,
     )

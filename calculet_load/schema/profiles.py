@@ -43,6 +43,11 @@ class TargetProfile:
     device_telemetry: bool  # chip gauges on /metrics
     cache_off: str  # how a user turns server-side prefix caching off (cold prefills)
 
+    @property
+    def health_probe_path(self) -> str:
+        """What a health check GETs: the health path, else the model list, else /."""
+        return self.health_path or self.models_path or "/"
+
 
 PROFILES: dict[str, TargetProfile] = {
     p.name: p

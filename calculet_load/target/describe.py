@@ -66,7 +66,7 @@ def check_health(url: str | TargetAccess, profile: TargetProfile, timeout_s: flo
     or not healthy, with what it answered). Calculet and llama.cpp answer
     `{"status": "ok"}`, vLLM, SGLang and TGI an empty 200; a plain OpenAI endpoint has
     no health route, so its model list stands in."""
-    path = profile.health_path or profile.models_path or "/"
+    path = profile.health_probe_path
     status, body, _ = _get(access_of(url), path, timeout_s)
     if status != 200:
         raise OSError(f"GET {path}: HTTP {status}")

@@ -1,10 +1,12 @@
 """Round trips to the target (spec §5: RTT and jitter, above all with a VPN in the path).
 
 One sample opens a fresh TCP connection (the connect round trip: SYN to SYN-ACK, as
-the kernel completes it), sends `GET /health` on it and waits for the end of the
-response headers (the request/response round trip, which also holds the server's time
-to answer /health). A round is a small bounded number of samples, one after another;
-each sample is bounded by its timeout, so a round ends by itself. Figures per round come
+the kernel completes it), sends `GET /health` on it (the target profile's health path
+under the target's base path, with the target's headers and key) and waits for the end
+of the response headers (the request/response round trip, which also holds the server's
+time to answer it; a 404 from a server without that path still times a round trip). A
+round is a small bounded number of samples, one after another; each sample is bounded
+by its timeout, so a round ends by itself. Figures per round come
 from calculet_load.schema.clocks.rtt_summary (jitter = standard deviation, ms).
 
 The round uses the standard library's own socket and sleep, even where gevent has
@@ -22,11 +24,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from calculet_load.clock import Clock, SystemClock
+from calculet_load.schema.access import TargetAccess, access_of
 from calculet_load.schema.clocks import rtt_summary
 from calculet_load.schema.netsigns import is_unreachable
 from calculet_load.target.api import off_loop
 
-__all__ = ["RttRounds", "measure_round", "rounds_record"]
+__all__ = ["RttRounds", "health_request", "measure_round", "rounds_record"]
 
 ROUNDS_KEEP = 60  # rounds kept after the first (a 72-hour run keeps the latest)
 
@@ -97,7 +100,9 @@ def _exchange_kind(exc: OSError) -> str:
     return "reset" if isinstance(exc, ConnectionError | _Closed) else "health_error"
 
 
-def _one(host: str, port: int, tls: bool, clock: Clock, timeout_s: float) -> tuple[int, int | None]:
+def _one(
+    host: str, port: int, request: bytes | None, clock: Clock, timeout_s: float
+) -> tuple[int, int | None]:
     """(connect ns, /health ns or None) of one fresh connection; _SampleFailed naming how
     it failed (a TCP connect that timed out or had no route is the network's doing; a
     refusal, a reset or a /health that never answers is the target's)."""
@@ -107,7 +112,7 @@ def _one(host: str, port: int, tls: bool, clock: Clock, timeout_s: float) -> tup
     except OSError as exc:
         raise _SampleFailed(_connect_kind(exc), exc) from None
     try:
-        return _exchange(sock, host, port, tls, clock, t0)
+        return _exchange(sock, request, clock, t0)
     except OSError as exc:
         raise _SampleFailed(_exchange_kind(exc), exc) from None
     finally:
@@ -115,15 +120,14 @@ def _one(host: str, port: int, tls: bool, clock: Clock, timeout_s: float) -> tup
 
 
 def _exchange(
-    sock: socket.socket, host: str, port: int, tls: bool, clock: Clock, t0: int
+    sock: socket.socket, request: bytes | None, clock: Clock, t0: int
 ) -> tuple[int, int | None]:
     t1 = clock.mono_ns()
-    if tls:
+    if request is None:  # https: the connect round trip only
         return t1 - t0, None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    req = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
     t2 = clock.mono_ns()
-    sock.sendall(req.encode())
+    sock.sendall(request)
     got = b""
     while b"\r\n\r\n" not in got:
         chunk = sock.recv(4096)
@@ -136,15 +140,26 @@ def _exchange(
     return t1 - t0, t3 - t2
 
 
+def health_request(access: TargetAccess, path: str = "/health") -> bytes:
+    """The probe's request: GET `path` under the target's base path, with the target's
+    headers and key (sent, never written), closing the connection after the answer."""
+    lines = [f"GET {access.path(path)} HTTP/1.1", f"Host: {access.authority}"]
+    lines += [f"{name}: {value}" for name, value in access.request_headers()]
+    lines += ["Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1")
+
+
 def measure_round(
-    url: str,
+    target: str | TargetAccess,
     samples: int,
     *,
+    path: str = "/health",
     clock: Clock | None = None,
     timeout_s: float = 2.0,
     gap_s: float = 0.02,
 ) -> dict[str, Any]:
-    """`samples` connect and /health round trips to `url`'s host, one after another.
+    """`samples` connect and health round trips to the target's host, one after another
+    (`path`: the profile's health path, from the server's root under the base path).
 
     Returns {"wall_ns", "end_wall_ns", "samples", "errors", "failures", "last_error",
     "connect": summary, "health": summary}; a failed sample counts in `errors` and, by
@@ -156,7 +171,9 @@ def measure_round(
     if not 0 <= samples <= MAX_SAMPLES:
         raise ValueError(f"samples must be in 0..{MAX_SAMPLES}, got {samples}")
     clock = clock or SystemClock()
-    host, port, tls = _address(url)
+    access = access_of(target)
+    host, port, tls = _address(access.url)
+    request = None if tls else health_request(access, path)
     connect: list[int] = []
     health: list[int] = []
     errors = 0
@@ -167,7 +184,7 @@ def measure_round(
         if i:
             _sleep(gap_s)
         try:
-            c, h = _one(host, port, tls, clock, timeout_s)
+            c, h = _one(host, port, request, clock, timeout_s)
         except _SampleFailed as exc:
             errors += 1
             failures[exc.kind] = failures.get(exc.kind, 0) + 1
@@ -211,8 +228,15 @@ class RttRounds:
     `take("before")` once, then `take("during")` at most every `every_s`. Under gevent a
     round runs in the hub's native thread pool, so the event loop is not held up."""
 
-    def __init__(self, url: str, samples: int = 8, every_s: float = 60.0) -> None:
-        self.url = url
+    def __init__(
+        self,
+        target: str | TargetAccess,
+        samples: int = 8,
+        every_s: float = 60.0,
+        path: str = "/health",
+    ) -> None:
+        self.target = target
+        self.path = path
         self.samples = samples
         self.every_s = every_s
         self.clock = SystemClock()
@@ -229,7 +253,9 @@ class RttRounds:
             return
         self._last_mono_ns = now
         try:
-            row = off_loop(lambda: measure_round(self.url, self.samples, clock=self.clock))
+            row = off_loop(
+                lambda: measure_round(self.target, self.samples, path=self.path, clock=self.clock)
+            )
         except ValueError:
             return  # not an http(s) URL: nothing to measure
         self.rounds.append({"phase": phase, **row})

@@ -4,7 +4,9 @@ and what may be written of them; the manifest's target section takes the same fi
 from __future__ import annotations
 
 import argparse
+import socket
 import ssl
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,15 @@ from calculet_load.schema.access import (
     REDACTED,
     AccessError,
     TargetAccess,
+    access_described,
     access_from,
     add_access_arguments,
     parse_header,
     secret_header,
 )
 from calculet_load.schema.manifest import ManifestError, Target, parse_manifest
+from calculet_load.schema.profiles import profile_named
+from calculet_load.target.netprobe import measure_round
 from tests.conftest import REPO
 
 
@@ -92,6 +97,74 @@ def test_the_key_is_sent_but_never_described(
     # an explicit Authorization header wins over the key
     c = TargetAccess("https://x", api_key_env="CALCULET_KEY", headers=(("authorization", "t"),))
     assert c.request_headers() == [("authorization", "t")]
+
+
+def test_a_worker_rebuilds_the_access_from_its_description(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A distributed run sends its workers describe() only; each rebuilds the access on its
+    host: the key from the same variable or file there, a secret header from its own
+    --header (else one line naming the header)."""
+    p = argparse.ArgumentParser()
+    add_access_arguments(p.add_argument)
+    monkeypatch.setenv("WORKER_KEY", "sk-worker")
+    sent = TargetAccess(
+        "https://gw.example/llm/v1", insecure=True, api_key_env="WORKER_KEY",
+        headers=(("X-Team", "perf"),),
+    )  # fmt: skip
+    here = access_described(sent.describe(), p.parse_args([]))
+    assert here.request_headers() == sent.request_headers()
+    assert here.insecure and here.path("/v1/completions") == "/llm/v1/completions"
+    secret = TargetAccess("http://127.0.0.1:9", headers=(("X-Api-Key", "hdr-secret"),))
+    with pytest.raises(AccessError, match=r"X-Api-Key.*--header"):
+        access_described(secret.describe(), p.parse_args([]))
+    own = access_described(secret.describe(), p.parse_args(["--header", "X-Api-Key: mine"]))
+    assert own.request_headers() == [("X-Api-Key", "mine")]
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-own-file\n")
+    mine = access_described(sent.describe(), p.parse_args(["--api-key-file", str(key_file)]))
+    assert ("Authorization", "Bearer sk-own-file") in mine.request_headers()
+    monkeypatch.delenv("WORKER_KEY")
+    with pytest.raises(AccessError, match="WORKER_KEY"):
+        access_described(sent.describe(), p.parse_args([]))
+
+
+def test_the_rtt_probe_asks_the_profile_health_path_under_the_base_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """netprobe's /health round trip goes where the target's requests go: under the base
+    path, to the profile's health path (the model list for a plain OpenAI endpoint), with
+    the target's headers and key; the round's figures never hold the key."""
+    monkeypatch.setenv("PROBE_KEY", "sk-probe")
+    got: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(5)
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                got.append(data)
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+        t = threading.Thread(target=answer)
+        t.start()
+        port = server.getsockname()[1]
+        access = TargetAccess(
+            f"http://127.0.0.1:{port}/llm/v1", api_key_env="PROBE_KEY", headers=(("X-Team", "p"),)
+        )
+        path = profile_named("openai").health_probe_path
+        row = measure_round(access, 1, path=path, timeout_s=5)
+        t.join(5)
+    lines = got[0].decode().split("\r\n")
+    assert lines[0] == "GET /llm/v1/models HTTP/1.1"
+    assert f"Host: 127.0.0.1:{port}" in lines
+    assert "Authorization: Bearer sk-probe" in lines and "X-Team: p" in lines
+    assert row["errors"] == 0 and row["health"]["n"] == 1, row  # a 404 still times the trip
+    assert "sk-probe" not in str(row)
+    assert profile_named("llama.cpp").health_probe_path == "/health"
 
 
 def test_secret_names_and_header_parsing() -> None:
