@@ -73,6 +73,7 @@ def test_a_closed_loop_against_a_target_that_is_down_pauses_and_is_judged_on_err
     parts = sorted(run_dir.glob("client/*/part-*.requests.parquet"))
     classes = [c for p in parts for c in pq.read_table(p).column("ext.error_class").to_pylist()]
     # 2 users x 3 s at 50, 100, 200, 400, 800, 1000 ms pauses: about 12 requests, not
-    # the thousands a hot loop sends
-    assert 4 <= len(classes) <= 30, len(classes)
+    # the thousands a hot loop sends. At least one per user: on a busy machine the
+    # start-up (tokenizer, prompts) took most of the 3 s and left 2 requests.
+    assert 2 <= len(classes) <= 30, len(classes)
     assert set(classes) == {"connect_refused"}
