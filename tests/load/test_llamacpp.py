@@ -30,17 +30,29 @@ from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.schema.profiles import profile_named
 from calculet_load.target.describe import model_for
 from tests.llamacpp import LlamaServer, tokenizer_path
-from tests.load.acceptkit import read_events, relaxed_rules, write_manifest
+from tests.load.acceptkit import read_events, relaxed_rules, write_manifest, write_matrix
 from tests.load.locustproc import LocustRun
 
 PROTOCOLS = ("llama", "openai-completions", "openai-chat")
 LLAMA = SimpleNamespace(profile="llama.cpp", tokenizer=None)
 
 
+ACCEPT_CELLS = [
+    {"kind": "single", "prompt_tokens": 128, "max_tokens": 16},
+    {"kind": "single", "prompt_tokens": 1024, "max_tokens": 16},
+    {"kind": "closed", "concurrency": 2, "prompt_tokens": 128, "max_tokens": 16},
+    {"kind": "closed", "concurrency": 4, "prompt_tokens": 64, "max_tokens": 8},
+    {"kind": "burst", "size": 4, "rounds": 2, "prompt_tokens": 64, "max_tokens": 8},
+]
+OPEN_CELL = {"kind": "open", "arrival": "poisson", "rate": 4.0}
+MIX_SHORT = {"name": "short", "weight": 3, "prompt_tokens": 64, "max_tokens": 8}
+MIX_LONG = {"name": "long", "weight": 1, "prompt_tokens": 512, "max_tokens": 16}
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    # 4 slots of 20,480 tokens: the smoke matrix's mix has 16K prompts
-    with LlamaServer(tmp_path_factory.mktemp("llama"), parallel=4, ctx=81920) as server:
+    # 4 slots of 4,096 tokens: the longest prompt here is 1,024 (the accept matrix's)
+    with LlamaServer(tmp_path_factory.mktemp("llama"), parallel=4, ctx=16384) as server:
         yield server
 
 
@@ -239,8 +251,13 @@ def test_accept_against_llama_cpp_passes_with_its_missing_steps_named(
     doc = yaml.safe_load(manifest.read_text())
     doc["target"] = {"url": llama.url, "protocol": "openai-chat", "profile": "llama.cpp"}
     manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
-    # the demo's smoke matrix: one cell of each load shape, its mix up to 16K prompts
-    matrix = Path(__file__).resolve().parents[2] / "configs" / "matrices" / "smoke.yaml"
+    # one cell of each load shape, the open one a mix, with short outputs: this server
+    # decodes on the CPU at ~6 ms a token (its 151k-token vocabulary), so the demo's smoke
+    # matrix (4,700 tokens, two 16K prefills) cost a minute of CPU and 3 min beside the suite
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump({"schema": "calculet-mix/v1", "name": "two-sizes",
+                                   "entries": [MIX_SHORT, MIX_LONG]}))  # fmt: skip
+    matrix = write_matrix(tmp_path, [*ACCEPT_CELLS, {**OPEN_CELL, "mix": str(mix)}], reps=10)
     run_dir = tmp_path / "run"
     rules = relaxed_rules(tmp_path)
     args = ["accept", "--manifest", str(manifest), "--matrix", str(matrix)]
