@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from calculet_load.measure.sse import SSEEvent, SSEParser
 
@@ -30,21 +33,107 @@ class Stream:
         return [json.loads(e.data) for _, e in self.events if e.data != "[DONE]"]
 
 
+class _Forked:
+    """A simulator forked by tests.simzygote, with the part of Popen's interface the tests
+    use (pid, poll, wait, send_signal, kill, returncode, stdout)."""
+
+    def __init__(self, pid: int, status: socket.socket, stdout: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdout: IO[bytes] | None = stdout
+        self.returncode: int | None = None
+        self._status = status
+
+    def _read(self, timeout: float | None) -> None:
+        if self.returncode is None and select.select([self._status], [], [], timeout)[0]:
+            said = self._status.recv(64).strip()
+            # no word at all: the fork server itself is gone (and sent its children SIGTERM)
+            self.returncode = int(said) if said else -signal.SIGTERM
+            self._status.close()
+
+    def poll(self) -> int | None:
+        self._read(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired("calculet-sim", timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """This test process's fork server (tests.simzygote), started at its first use."""
+
+    lock = threading.Lock()
+    proc: subprocess.Popen[bytes] | None = None
+    control: socket.socket | None = None
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str], stderr: int) -> _Forked:
+        with cls.lock:
+            if cls.proc is None or cls.proc.poll() is not None:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                cls.proc = subprocess.Popen(
+                    [sys.executable, "-m", "tests.simzygote", str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], cwd=REPO, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+                theirs.close()
+                cls.control = ours
+            assert cls.control is not None
+            status_ours, status_theirs = socket.socketpair()
+            out_r, out_w = os.pipe()
+            try:
+                req = {"argv": argv, "env": env, "cwd": os.getcwd()}
+                socket.send_fds(
+                    cls.control, [json.dumps(req).encode()], [status_theirs.fileno(), out_w, stderr]
+                )
+                said = cls.control.recv(64)
+            finally:
+                status_theirs.close()
+                os.close(out_w)
+            if not said:
+                os.close(out_r)
+                status_ours.close()
+                raise RuntimeError("the simulators' fork server (tests.simzygote) is gone")
+            return _Forked(int(said), status_ours, open(out_r, "rb"))
+
+
+REPO = Path(__file__).resolve().parents[1]
+# CALCULET_TEST_SIM_FORK=0: every simulator its own `python -m calculet_sim.cli` process
+FORK = os.environ.get("CALCULET_TEST_SIM_FORK", "1") != "0"
+
+
 class SimProcess:
     def __init__(
         self, tmp: Path, *args: str, faults: bool = False, env: dict[str, str] | None = None
     ) -> None:
         self.trace_dir = tmp / f"traces-{time.monotonic_ns()}"
-        cmd = [sys.executable, "-m", "calculet_sim.cli", "--port", "0"]
-        cmd += ["--trace-dir", str(self.trace_dir), *args]
+        argv = ["--port", "0", "--trace-dir", str(self.trace_dir), *args]
         full_env = dict(os.environ)
         if faults:
-            cmd.append("--enable-faults")
+            argv.append("--enable-faults")
             full_env["CALCULET_SIM_ADMIN_TOKEN"] = ADMIN_TOKEN
         full_env.update(env or {})
         self.stderr_path = tmp / f"sim-stderr-{time.monotonic_ns()}.txt"
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, env=full_env)
+        # a variable read when a process starts (a preload, the interpreter's own) needs exec
+        exec_env = any(k.startswith(("LD_", "PYTHON", "FAKETIME")) for k in env or {})
+        self.proc: subprocess.Popen[bytes] | _Forked
+        if FORK and not exec_env:
+            self.proc = _Zygote.start(argv, full_env, self._stderr.fileno())
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "calculet_sim.cli", *argv],
+                stdout=subprocess.PIPE, stderr=self._stderr, env=full_env,
+            )  # fmt: skip
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline().decode() if ready else ""
