@@ -25,8 +25,7 @@ os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
 @pytest.hookimpl(trylast=True)  # after the marks' deselection: the phase's own tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deal the longest tests first in the phases of scripts/test (tests/schedule.py)."""
-    dist = config.getoption("dist", None)
-    items[:] = schedule.order(items, dist, schedule.worker_count())
+    items[:] = schedule.order(items, schedule.dist_mode(config), schedule.worker_count())
 
 
 @pytest.fixture

@@ -11,14 +11,19 @@ on this 2-core machine, stop 24) and change which worker runs what, never what r
   function-scoped fixtures move (a moved test of a module-fixture file would set the
   fixture up twice).
 - **quiet phase** (`--dist loadfile --no-loadscope-reorder`): whole files, two side by
-  side; the longest files (`QUIET_FILE_S`) are handed out first, so the two workers end
-  together.
+  side; the longest files (`QUIET_FILE_S`) are handed out first (xdist's own order is
+  by number of tests).
+
+An xdist worker runs with its `dist` option reset to "no": the phase's mode is read from
+the controller's command line (`dist_mode`).
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import pytest
 
 LONG_S: dict[str, float] = {
     "tests/test_client_speed_bench.py::test_two_short_points_of_both_clients": 85,
@@ -84,6 +89,21 @@ def order(items: list[Any], dist: str | None, workers: int) -> list[Any]:
     out += list(rest)
     assert len(out) == len(items)
     return out
+
+
+def dist_mode(config: pytest.Config) -> str | None:
+    """The run's --dist mode, in an xdist worker too (xdist resets a worker's option to
+    "no"; the controller's command line travels in workerinput["mainargv"])."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return str(config.getoption("dist", None) or "") or None
+    argv = list(workerinput.get("mainargv", []))
+    for i, arg in enumerate(argv):
+        if arg == "--dist" and i + 1 < len(argv):
+            return str(argv[i + 1])
+        if arg.startswith("--dist="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def worker_count() -> int:

@@ -46,3 +46,10 @@ def test_quiet_files_longest_first_each_file_whole() -> None:
                    "tests/analysis/test_e2e_stability.py::d",
                    "tests/analysis/test_e2e.py::b", "tests/load/test_record_safety.py::a",
                    "tests/other.py::e"]  # fmt: skip
+
+
+def test_a_worker_reads_the_mode_from_the_controllers_command_line() -> None:
+    worker = SimpleNamespace(workerinput={"mainargv": ["pytest", "-n", "6", "--dist", "worksteal"]})
+    assert schedule.dist_mode(worker) == "worksteal"  # type: ignore[arg-type]
+    worker.workerinput["mainargv"] = ["pytest", "--dist=loadfile"]
+    assert schedule.dist_mode(worker) == "loadfile"  # type: ignore[arg-type]
