@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from tests import schedule
 from tests.simproc import SimProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,12 +19,6 @@ SHARED = REPO.parent / "shared"
 # every Locust process a test starts inherits this budget, 60 s (off in effect); a test
 # of the check passes --accuracy-ms itself (the command line wins over the environment).
 os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
-
-
-@pytest.hookimpl(trylast=True)  # after the marks' deselection: the phase's own tests
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deal the longest tests first in the phases of scripts/test (tests/schedule.py)."""
-    items[:] = schedule.order(items, schedule.dist_mode(config), schedule.worker_count())
 
 
 @pytest.fixture
