@@ -21,7 +21,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.schema.access import TargetAccess, access_of
@@ -64,14 +63,6 @@ def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
 
 MAX_SAMPLES = 1000
 HEADER_LIMIT = 65536
-
-
-def _address(url: str) -> tuple[str, int, bool]:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
-    tls = parts.scheme == "https"
-    return parts.hostname, parts.port or (443 if tls else 80), tls
 
 
 class _SampleFailed(Exception):
@@ -171,9 +162,9 @@ def measure_round(
     if not 0 <= samples <= MAX_SAMPLES:
         raise ValueError(f"samples must be in 0..{MAX_SAMPLES}, got {samples}")
     clock = clock or SystemClock()
-    access = access_of(target)
-    host, port, tls = _address(access.url)
-    request = None if tls else health_request(access, path)
+    access = access_of(target)  # not an http(s) URL: AccessError, a ValueError
+    host, port = access.host, access.port
+    request = None if access.tls else health_request(access, path)
     connect: list[int] = []
     health: list[int] = []
     errors = 0
