@@ -52,21 +52,31 @@ def _collect(sim: SimProcess, run: LocustRun, *, failures: bool = False) -> str:
     return str(run.run_dir)
 
 
-def _sampled_run(start_sim: StartSim, tmp: Path, *sim_args: str) -> str:
+class _SampledRun:
     """A 12 s Locust run; resources sampled every 0.2 s from when the load is on until
-    after it stopped (the last sample is idle)."""
-    sim = start_sim(*SCALE, *sim_args, faults=True)
-    run = LocustRun(tmp, sim.url, LOAD, workers=0, run_time_s=12).start()
-    deadline = time.monotonic() + 30
-    while (sample_resources(sim.url).get("sequences_active") or 0) == 0:
-        assert time.monotonic() < deadline, run.log_text()
-        time.sleep(0.05)
-    path = run.run_dir / "server" / "resources.jsonl"
-    sampler = ResourceSampler(sim.url, path, admin_token=ADMIN_TOKEN, interval_s=0.2).start()
-    assert run.wait(90) == 0, run.log_text()
-    sampler.stop()
-    assert sampler.samples >= 30 and sampler.failures == 0
-    return _collect(sim, run)
+    after it stopped (the last sample is idle). Started, then finished: two of them run
+    side by side."""
+
+    def __init__(self, start_sim: StartSim, tmp: Path, *sim_args: str) -> None:
+        self.sim = start_sim(*SCALE, *sim_args, faults=True)
+        self.run = LocustRun(tmp, self.sim.url, LOAD, workers=0, run_time_s=12).start()
+        self.sampler: ResourceSampler | None = None
+
+    def sample_when_loaded(self) -> None:
+        deadline = time.monotonic() + 30
+        while (sample_resources(self.sim.url).get("sequences_active") or 0) == 0:
+            assert time.monotonic() < deadline, self.run.log_text()
+            time.sleep(0.05)
+        path = self.run.run_dir / "server" / "resources.jsonl"
+        self.sampler = ResourceSampler(self.sim.url, path, admin_token=ADMIN_TOKEN, interval_s=0.2)
+        self.sampler.start()
+
+    def finish(self) -> str:
+        assert self.sampler is not None
+        assert self.run.wait(90) == 0, self.run.log_text()
+        self.sampler.stop()
+        assert self.sampler.samples >= 30 and self.sampler.failures == 0
+        return _collect(self.sim, self.run)
 
 
 def _verdicts(run_dir: str) -> dict[str, dict[str, Any]]:
@@ -77,8 +87,10 @@ def _verdicts(run_dir: str) -> dict[str, dict[str, Any]]:
 def test_the_leak_knob_gives_a_leak_verdict_and_exit_1(
     tmp_path: Path, start_sim: StartSim, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    leaky = _sampled_run(start_sim, tmp_path, *LEAK)
-    clean = _sampled_run(start_sim, tmp_path)
+    runs = [_SampledRun(start_sim, tmp_path, *LEAK), _SampledRun(start_sim, tmp_path)]
+    for run in runs:
+        run.sample_when_loaded()
+    leaky, clean = (run.finish() for run in runs)
     rules = _rules(tmp_path)
 
     code = main(["analyze", leaky, "--rules", rules])
@@ -102,20 +114,19 @@ def test_the_leak_knob_gives_a_leak_verdict_and_exit_1(
     assert v["leaks.rss_bytes"]["status"] == "pass"
 
 
-def _fault_run(start_sim: StartSim, tmp: Path, *, broken: bool) -> str:
+def _fault_run(start_sim: StartSim, tmp: Path, *, broken: bool) -> tuple[SimProcess, LocustRun]:
     sim = start_sim(*SCALE, faults=True)
     fault = {"scenario": "output_nan", "broken": broken, "probability": 0.2}
     status, body = sim.admin("POST", "/admin/faults", fault)
     assert status == 200, body
-    run = LocustRun(tmp, sim.url, LOAD, workers=0, run_time_s=6).start()
-    return _collect(sim, run, failures=True)
+    return sim, LocustRun(tmp, sim.url, LOAD, workers=0, run_time_s=6).start()
 
 
 def test_a_fault_in_its_broken_mode_exits_1_where_the_designed_mode_passes(
     tmp_path: Path, start_sim: StartSim, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    designed = _fault_run(start_sim, tmp_path, broken=False)
-    broken = _fault_run(start_sim, tmp_path, broken=True)
+    runs = [_fault_run(start_sim, tmp_path, broken=b) for b in (False, True)]  # side by side
+    designed, broken = (_collect(sim, run, failures=True) for sim, run in runs)
     # §12.2 output NaN: the designed behaviour fails the request (500, numeric check), so
     # a fault-scenario run allows errors; NaN must never reach a success response
     rules = _rules(tmp_path, error_rate={"max_error_rate": 1.0})

@@ -102,7 +102,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
             _cli("soak", "--manifest", str(MANIFEST), "--url", soak_sim.url,
                  "--run-dir", str(soak_dir), "--rules",
                  str(REPO / "tests/load/data/soak-rules.yaml"), "--stage", "dev",
-                 "--duration-scale", "0.3", "--target-rate", "0.25"),
+                 "--duration-scale", "0.15", "--target-rate", "0.25"),
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         # a server string with a script in it: the simulator refuses the model the

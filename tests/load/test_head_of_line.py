@@ -31,7 +31,8 @@ from tests.simproc import SimProcess
 
 # The penalty compares TTFT across two cells run one after the other: on a busy machine
 # the load on the simulator changes between them (a fresh-clone run's parallel phase saw
-# the control 9-49 % slower than the overlapping requests), so one neighbour at most.
+# the control 9-49 % slower than the overlapping requests), so two neighbours at most
+# (the quiet phase).
 @pytest.mark.quiet
 def test_a_head_of_line_run_shows_the_short_requests_ttft_penalty_with_an_interval(
     tmp_path: Path, start_sim: Callable[..., SimProcess], accept_env: Path

@@ -45,7 +45,7 @@ def _col(table, name):  # type: ignore[no-untyped-def]
 def test_open_loop_poisson_across_two_workers(
     start_sim: Callable[..., SimProcess], locust_run: Callable[..., LocustRun]
 ) -> None:
-    rate, run_s, delay = 40.0, 24.0, 2.0
+    rate, run_s, delay = 40.0, 14.0, 2.0
     # fast enough that the mix (with 16K prompts) never fills the sim's admission queue
     # and a queue that waits rather than rejects: on a busy machine the sim may fall
     # behind, which must not turn into failures (this test is about the arrivals)
@@ -106,8 +106,8 @@ def test_open_loop_poisson_across_two_workers(
     expected = expected[expected <= t_end + 0.001]
     assert len(rel_s) == len(expected)
     assert np.abs(rel_s - expected).max() < 0.005  # wall/monotonic anchor read jitter
-    # and the achieved rate is the target's: |n - rate*T| within 4 Poisson SDs (n ~ 800,
-    # so within about 14 %; the law itself is checked to 1 % in test_arrivals.py)
+    # and the achieved rate is the target's: |n - rate*T| within 4 Poisson SDs (n ~ 450,
+    # so within about 19 %; the law itself is checked to 1 % in test_arrivals.py)
     span_s = rel_s[-1]
     assert abs(len(rel_s) - rate * span_s) < 4 * np.sqrt(rate * span_s)
     # and each was sent at its time: open loop, not delayed by responses

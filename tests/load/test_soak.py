@@ -92,7 +92,7 @@ def test_stages_of_the_spec_are_data() -> None:
 
 # The leak rule reads trends of the simulator's resources: on a busy machine its starved
 # requests hold leases longer as the run goes on, a trend the rule cannot tell from a leak
-# (leases_unavailable +1.4/h in a fresh-clone run's parallel phase): one neighbour at most.
+# (leases_unavailable +1.4/h in a fresh-clone run's parallel phase): two neighbours at most.
 @pytest.mark.quiet
 def test_dev_rehearsal_passes_without_leak(start_sim: StartSim, tmp_path: Path) -> None:
     sim = start_sim(*FAST, faults=True)
