@@ -20,6 +20,37 @@ SHARED = REPO.parent / "shared"
 # of the check passes --accuracy-ms itself (the command line wins over the environment).
 os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
 
+# The quiet phase's three lanes (scripts/test: `-n 3 --dist loadfile`): the files of a
+# lane run one after the other in one worker, the lanes side by side, balanced by the
+# files' seconds alone on this machine (in brackets). A file without an entry is a lane of
+# its own; give a new quiet file the lane with the fewest seconds.
+QUIET_LANES = {
+    "tests/load/test_head_of_line.py": 1,  # [50]
+    "tests/analysis/test_e2e.py": 1,  # [27]
+    "tests/analysis/test_report_browser.py": 2,  # [48]
+    "tests/load/test_pipeline.py": 2,  # [32]
+    "tests/load/test_soak.py": 3,  # [40]
+    "tests/analysis/test_e2e_stability.py": 3,  # [32]
+    "tests/load/test_record_safety.py": 3,  # [9]
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` with the lanes above as its units (xdist's own `xdist_group`
+    marks do not take under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest no
+    longer reads). Other modes: xdist's own scheduler."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class QuietLanes(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            lane = QUIET_LANES.get(path)
+            return path if lane is None else f"quiet-lane-{lane}"
+
+    return QuietLanes(config, log)
+
 
 @pytest.fixture
 def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimProcess]]:
