@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,12 +41,14 @@ COMPARED = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 FIGURES = ("p50", "p90", "p95", "p99", "max", "mean")
 
 
-def _locust(tmp: Path, name: str, args: list[str], timeout_s: float = 90) -> str:
+def _locust(
+    tmp: Path, name: str, args: list[str], timeout_s: float = 90, prefix: tuple[str, ...] = ()
+) -> str:
     """Run `locust -f locustfiles/calculet.py ARGS` to its end; its output."""
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "locust", "-f", LOCUSTFILE, *args],
+            [*prefix, sys.executable, "-m", "locust", "-f", LOCUSTFILE, *args],
             stdout=out, stderr=subprocess.STDOUT, cwd=tmp, timeout=timeout_s, check=False,
         )  # fmt: skip
     text = log.read_text(errors="replace")
@@ -189,7 +192,12 @@ def test_processes_and_a_locust_conf_with_our_options(tmp_path: Path) -> None:
                 f"run-dir = {run_dir}", "seed = 3",
             ]) + "\n"
         )  # fmt: skip
-        log = _locust(tmp_path, "locust", ["--config", str(conf)])
+        # a master, two worker processes and the simulator on this machine's 2 cores: one
+        # worker waiting 6.4 ms for a core was judged saturated (6 of 40 records) in a
+        # fresh-clone run's serial phase. As root, the Locust processes get the cores first
+        # (as in test_netns.py); the judgement itself is unchanged.
+        first = ("nice", "-n", "-10") if os.geteuid() == 0 else ()
+        log = _locust(tmp_path, "locust", ["--config", str(conf)], prefix=first)
     finally:
         sim.stop()
     t = _requests(run_dir)
