@@ -274,6 +274,9 @@ def run_calculet(
     if code == 3 or verdict.returncode == 3:
         p.verdict += " FLAGGED"
     p.note = said[:160]
+    kept_up = [x for x in err.decode(errors="replace").splitlines() if "did not keep up" in x]
+    if kept_up:  # the self-check's own line: which cells, which figure, how far
+        p.note += " | self-check: " + kept_up[-1].split("in ", 1)[-1][:300]
     if code not in (0, 3):
         p.note += f" | locust stderr: {err.decode(errors='replace')[-300:]}"
 

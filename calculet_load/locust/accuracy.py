@@ -1,6 +1,6 @@
 """The client's self-check (issue 18): did this client keep up with its load, per cell?
 
-Two figures per cell tell how far off a process's timings can be, from its own records:
+Three figures per cell tell how far off a process's timings can be, from its own records:
 
     stamp_late_bound_ms
                    with kernel stamps (calculet_load.measure.client), the most a
@@ -14,9 +14,15 @@ Two figures per cell tell how far off a process's timings can be, from its own r
     send_lag_ms    open loop: actual send − the schedule's instant (a late send shifts
                    the arrival law, and hides queueing from latency-from-send); not of
                    a stale retry, whose first send kept the schedule
+    start_to_sent_ms
+                   on a kept-alive connection, the start stamp t0 to the request written
+                   (t1): no connect is in it, only a non-blocking write, so what is more
+                   than that is the client's own wait (its loop, or the interpreter lock
+                   the engine thread shares), which every duration from t0 (TTFT) would
+                   carry and neither figure above sees
 
 At the end of a Locust run the master adds up every worker's histograms; a cell whose
-P99 of either passes the run's budget (`--accuracy-ms`, 10 ms by default) is named, and
+P99 of any of them passes the run's budget (`--accuracy-ms`, 10 ms by default) is named, and
 the run exits 3 (infrastructure invalid): its figures are the client's, not the
 server's. Add worker processes or lower the rate (docs/measurement.md says how to size).
 """
@@ -38,13 +44,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calculet_load")
 
-FIGURES = ("stamp_late_bound_ms", "send_lag_ms")
+FIGURES = ("stamp_late_bound_ms", "send_lag_ms", "start_to_sent_ms")
 QUANTILE = 0.99
 BUDGET_MS = 10.0
 
 
 class Accuracy:
-    """Per cell: histograms of the two figures over the whole run (never reset)."""
+    """Per cell: histograms of the three figures over the whole run (never reset)."""
 
     def __init__(self) -> None:
         self.cells: dict[str, dict[str, LogHistogram]] = {}
@@ -68,6 +74,9 @@ class Accuracy:
         # connection's wait (a server that restarted), not the client's.
         if e.send_lag_ms is not None and not e.stale_retry:
             hists["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
+        t0, t1 = record.client_ns.request_start, record.client_ns.headers_sent
+        if e.connection_reused and not e.stale_retry and t0 is not None and t1 is not None:
+            hists["start_to_sent_ms"].add(max(t1 - t0, 0) / 1e6)
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -414,7 +414,8 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     try:
         # An idle connection is taken before t0: its liveness check is a system call,
         # and after one this thread may wait for the interpreter lock (the greenlets
-        # hold it) between t0 and the send, a delay no self-check sees. A new connection
+        # hold it) between t0 and the send, a delay in every duration from t0 (the
+        # self-check's start-to-sent figure would flag it). A new connection
         # is opened after t0, as on gevent: its connect is the request's.
         sock = pool.take(fresh)
     except PoolExhausted as exc:

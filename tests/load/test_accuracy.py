@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from calculet_load.locust.accuracy import Accuracy, check_reports
-from calculet_load.schema.records import Ext, RequestRecord
+from calculet_load.schema.records import ClientNs, Ext, RequestRecord
 
 
 def _record(cell: str, wait: float | None, lag: float | None = None, **ext: Any) -> RequestRecord:
@@ -50,3 +50,28 @@ def test_workers_reports_add_up_through_json() -> None:
     assert 49.4 <= float(problem.split("P99 ")[1].split(" ms")[0]) <= 50.6
     assert check_reports(reports, 100.0) == []
     assert check_reports([{"worker": "w00"}], 10.0) == []  # a report without it
+
+
+def _written(cell: str, start_to_sent_ms: float, reused: bool) -> RequestRecord:
+    t0 = 1_000_000_000
+    return RequestRecord(
+        run_id="r",
+        request_id="x",
+        client_ns=ClientNs(request_start=t0, headers_sent=t0 + int(start_to_sent_ms * 1e6)),
+        ext=Ext(cell=cell, connection_reused=reused),
+    )
+
+
+def test_a_wait_between_the_start_stamp_and_the_write_is_named() -> None:
+    """On a kept-alive connection t0 → t1 is one non-blocking write: more is the client's
+    own wait, which TTFT would carry. A new connection's connect is the request's."""
+    acc = Accuracy()
+    for _ in range(100):
+        acc.observe(_written("c", 40.0, reused=False))  # a 40 ms connect: not counted
+        acc.observe(_written("c", 0.05, reused=True))
+    assert acc.problems(10.0) == []
+    for _ in range(10):
+        acc.observe(_written("c", 30.0, reused=True))  # 9 % of the kept-alive sends waited
+    (problem,) = acc.problems(10.0)
+    assert problem.startswith("c: start to sent P99 ")
+    assert 29.0 < float(problem.split("P99 ")[1].split(" ms")[0]) < 31.0

@@ -17,6 +17,8 @@ import gevent
 import numpy as np
 import pytest
 
+from calculet_load.locust.accuracy import Accuracy
+from calculet_load.measure import engine
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.schema.records import RequestRecord
@@ -129,3 +131,39 @@ def test_a_request_cut_when_the_run_stops_keeps_its_record(engine: str) -> None:
         1,
     )
     assert records[0].client_ns.first_token is not None
+
+
+def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
+    fast_sim: SimProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread held up between t0 and the write (as when it waits for the
+    interpreter lock the greenlets hold): TTFT carries the wait, and the self-check's
+    start-to-sent figure names the cell (calculet_load.locust.accuracy)."""
+    real = engine._send_all
+    calls = []
+
+    async def held_up(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) > 1:  # the first request connects; the others reuse its connection
+            time.sleep(0.03)  # blocks the engine's loop, as a lock it waits for would
+        await real(*args)
+
+    monkeypatch.setattr(engine, "_send_all", held_up)
+    session = Session(RunContext("held", "w00"), fast_sim.url, "llama", io_engine="thread")
+    records: list[RequestRecord] = []
+    session.hooks.append(lambda record, _out: records.append(record))
+    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
+    try:
+        for _ in range(4):
+            gevent.spawn(session.send, spec).get(timeout=30)
+    finally:
+        session.close()
+    assert [r.ext.error_class for r in records] == [None] * 4
+    assert [r.ext.connection_reused for r in records] == [False, True, True, True]
+    gaps = [(r.client_ns.headers_sent - r.client_ns.request_start) / 1e6 for r in records]
+    assert all(g >= 30.0 for g in gaps[1:]), gaps
+    acc = Accuracy()
+    for r in records:
+        acc.observe(r)
+    (problem,) = acc.problems(10.0)
+    assert "start to sent P99 3" in problem, problem

@@ -110,14 +110,17 @@ def _send(
     return run_in_greenlet(go)
 
 
-def _server_rows(sim: SimProcess, last_request: str) -> list[dict[str, object]]:
-    """The simulator's server events once it has written `last_request`'s outcome (its
-    trace writer flushes in the background)."""
+def _server_rows(sim: SimProcess, last_request: str, tokens: int) -> list[dict[str, object]]:
+    """The simulator's server events once it has written `last_request`'s outcome and its
+    `tokens` flushes (its trace writer flushes in the background; the engine's `finished`
+    can precede the last token's flush row, which is stamped when the write through the
+    proxy returned: a fresh-clone run read the trace between the two)."""
     path = sim.trace_dir / "server_events.jsonl"
     deadline = time.monotonic() + 10
     while True:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        done = any(r.get("request_id") == last_request and r["event"] == "finished" for r in rows)
+        mine = [r["event"] for r in rows if r.get("request_id") == last_request]
+        done = "finished" in mine and mine.count("token_flushed") >= tokens
         if done or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
@@ -139,7 +142,7 @@ def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
     assert [o.connection_reused for o in outs] == [False] + [True] * 7  # keep-alive over TLS
     flushes: dict[str, dict[int, int]] = {}  # request -> step -> the server's flush
     accepted: dict[str, int] = {}
-    for row in _server_rows(sim, outs[-1].request_id):
+    for row in _server_rows(sim, outs[-1].request_id, 24):
         rid = str(row.get("request_id"))
         if row["event"] == "token_flushed":
             flushes.setdefault(rid, {})[int(row["step_index"])] = int(row["mono_ns"])  # type: ignore[call-overload]
@@ -253,7 +256,7 @@ def test_buffering_on_is_reported_as_coalesced_events(
             ]
     sink.close()
     (run_dir / "server").mkdir(parents=True)
-    _server_rows(sim, outs[-1].request_id)
+    _server_rows(sim, outs[-1].request_id, 24)
     shutil.copy(sim.trace_dir / "server_events.jsonl", run_dir / "server" / "server_events.jsonl")
     run = load_run(str(run_dir))
     d = run.requests
