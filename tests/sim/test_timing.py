@@ -38,10 +38,15 @@ def _sets(**kw: Any) -> list[str]:
 def test_prefill_cost_grows_with_prompt_length(start_sim: StartSim) -> None:
     sim = start_sim("--time-scale", "0.5", *QUIET)
     sizes = [512, 2048, 8192]
+    # three prompts of each size, the median judged (as the module's other checks): one
+    # prefill alone was once 5.9 ms over its model (a fresh-clone serial phase; the
+    # machine, not the model, which every other run met)
+    rids = {n: [f"pf-{n}-{k}" for k in range(3)] for n in sizes}
     for n in sizes:
-        llama(sim, prompt_ids(n, salt=n), 1, rid=f"pf-{n}")
-    steps = wait_steps(sim, [f"pf-{n}" for n in sizes])
-    got = [device_ms(steps, f"pf-{n}", "prefill")[0] for n in sizes]
+        for k, rid in enumerate(rids[n]):
+            llama(sim, prompt_ids(n, salt=10 * n + k), 1, rid=rid)
+    steps = wait_steps(sim, [rid for n in sizes for rid in rids[n]])
+    got = [median([device_ms(steps, rid, "prefill")[0] for rid in rids[n]]) for n in sizes]
     assert got == sorted(got), got
     # Model (simulated ms): 8 + 0.05 P + 1e-6 P^2 (super-linear), times the 0.5 scale.
     for n, ms in zip(sizes, got, strict=True):
