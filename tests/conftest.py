@@ -27,6 +27,7 @@ os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
 QUIET_LANES = {
     "tests/load/test_head_of_line.py": 1,  # [50]
     "tests/analysis/test_e2e.py": 1,  # [27]
+    "tests/load/test_soak_stage_rules.py": 1,  # [25]
     "tests/analysis/test_report_browser.py": 2,  # [48]
     "tests/load/test_pipeline.py": 2,  # [32]
     "tests/load/test_soak.py": 3,  # [40]

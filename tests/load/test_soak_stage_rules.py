@@ -11,10 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.load.test_soak import ENV, FAST, MANIFEST, StartSim, conditions
 
 
+# The burst's reference level is the background requests just before it that the analysis
+# measured: on a busy machine the client's self-watch excludes them as saturated (2 left
+# against the 3 needed, in a fresh-clone parallel phase): two neighbours at most.
+@pytest.mark.quiet
 def test_a_candidate_rehearsal_is_judged_by_the_stage_rules(
     start_sim: StartSim, tmp_path: Path
 ) -> None:
