@@ -274,11 +274,12 @@ def run_calculet(
     if code == 3 or verdict.returncode == 3:
         p.verdict += " FLAGGED"
     p.note = said[:160]
-    kept_up = [x for x in err.decode(errors="replace").splitlines() if "did not keep up" in x]
+    stderr = err.decode(errors="replace")
+    kept_up = [x for x in stderr.splitlines() if "did not keep up" in x]
     if kept_up:  # the self-check's own line: which cells, which figure, how far
         p.note += " | self-check: " + kept_up[-1].split("in ", 1)[-1][:300]
     if code not in (0, 3):
-        p.note += f" | locust stderr: {err.decode(errors='replace')[-300:]}"
+        p.note += f" | locust stderr: {stderr[-300:]}"
 
 
 def read_calculet(run_dir: Path, p: Point) -> dict[str, Any]:

@@ -20,6 +20,14 @@ from typing import IO, Any
 from calculet_load.measure.sse import SSEEvent, SSEParser
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
+# simulator options: a queue that waits rather than rejects (a busy test machine makes a
+# time-scaled simulator fall behind; a test about something else must not see 503s)
+PATIENT_QUEUE = (
+    "--set",
+    "scheduling.queue_max=100000",
+    "--set",
+    "scheduling.admission_timeout_s=1e9",
+)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from scipy import stats
 
 from calculet_load.workload.arrivals import intended_times
 from tests.load.locustproc import LocustRun
-from tests.simproc import SimProcess
+from tests.simproc import PATIENT_QUEUE, SimProcess
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,7 +51,7 @@ def test_open_loop_poisson_across_two_workers(
     # behind, which must not turn into failures (this test is about the arrivals)
     sim = start_sim(
         *("--profile", "b16", "--time-scale", "0.005"),
-        *("--set", "scheduling.queue_max=100000", "--set", "scheduling.admission_timeout_s=1e9"),
+        *PATIENT_QUEUE,
         *("--set", "scheduling.kv_budget_tokens=100000000"),
     )
     run = locust_run(

@@ -46,7 +46,7 @@ from calculet_load.clock import TEST_WALL_SHIFT_ENV, ClockAnchor, SystemClock
 from calculet_load.workload.arrivals import intended_times
 from tests.load.locustproc import LOCUSTFILE, REPO
 from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.simproc import PATIENT_QUEUE, SimProcess
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]  # relay delays, clock offsets
 
@@ -193,7 +193,7 @@ def test_workers_in_namespaces_fire_together_despite_a_shifted_clock(
 ) -> None:
     sim = start_sim(
         *("--profile", "b16", "--time-scale", "0.02"),
-        *("--set", "scheduling.queue_max=100000", "--set", "scheduling.admission_timeout_s=1e9"),
+        *PATIENT_QUEUE,
     )
     os.setpriority(os.PRIO_PROCESS, sim.pid, PRIORITY)
     procs = Procs(tmp_path)

@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.load.test_soak import ENV, FAST, MANIFEST, StartSim, conditions
+from tests.simproc import PATIENT_QUEUE
 
 
 # The burst's reference level is the background requests just before it that the analysis
@@ -30,7 +31,7 @@ def test_a_candidate_rehearsal_is_judged_by_the_stage_rules(
     # test is about the stage's rules, not admission (as in test_locust_dist.py)
     sim = start_sim(
         *FAST,
-        *("--set", "scheduling.queue_max=100000", "--set", "scheduling.admission_timeout_s=1e9"),
+        *PATIENT_QUEUE,
         faults=True,
     )
     run = tmp_path / "run"
