@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import math
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -111,6 +112,20 @@ class LogHistogram:
         self.sum += value * n
         self.min = min(self.min, value)
         self.max = max(self.max, value)
+
+    def add_all(self, pairs: Iterable[tuple[float, int]]) -> None:
+        """`add` each (value, n): the same counts, in one loop (a request's token gaps)."""
+        buckets, log, floor, step = self.buckets, math.log, math.floor, _LOG_G
+        count, total, low, high = self.count, self.sum, self.min, self.max
+        for value, n in pairs:
+            buckets[floor(log(value) / step) if value > 0 else _ZERO] += n
+            count += n
+            total += value * n
+            if value < low:
+                low = value
+            if value > high:
+                high = value
+        self.count, self.sum, self.min, self.max = count, total, low, high
 
     def merge(self, other: LogHistogram) -> None:
         for bucket, n in other.buckets.items():

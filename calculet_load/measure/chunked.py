@@ -44,6 +44,14 @@ class ChunkedDecoder:
             self.error = exc
         return out[0] if len(out) == 1 else b"".join(out)
 
+    @property
+    def between(self) -> bool:
+        """Between chunks with nothing held: the next bytes start a chunk's size line, and
+        a caller may read whole chunks from them itself (then `feed` the rest)."""
+        return not (
+            self.rest or self.left or self.discard or self.trailer or self.done or self.error
+        )
+
     def _decode(self, buf: bytes, out: list[bytes]) -> None:
         pos, n = 0, len(buf)
         while pos < n and not self.done:

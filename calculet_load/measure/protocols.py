@@ -15,7 +15,9 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 ProtocolName = Literal["openai-chat", "openai-completions", "llama"]
 
@@ -73,6 +75,51 @@ class EventInfo:
     # an error event or body that also carried generated text (spec §14.1: error
     # responses carry no uninitialized output): how many characters
     error_output_chars: int = 0
+
+
+# The common shape of an OpenAI stream event, decoded and type-checked in C by msgspec
+# (`OpenAIAdapter.fast_event`): unknown fields ignored, a value of another type, a count
+# outside 0..INT64_MAX, NaN or Infinity, invalid UTF-8 or a lone surrogate fail the decode,
+# and `event` reads the event instead (and says what is wrong with it).
+_Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+
+
+class _FastDetails(msgspec.Struct):
+    cached_tokens: _Count | None = None
+
+
+class _FastUsage(msgspec.Struct):
+    completion_tokens: _Count | None = None
+    prompt_tokens: _Count | None = None
+    prompt_tokens_details: _FastDetails | None = None
+
+
+class _FastChoice(msgspec.Struct):
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _FastDelta(msgspec.Struct):
+    content: str | None = None
+
+
+class _FastChatChoice(msgspec.Struct):
+    delta: _FastDelta | None = None
+    finish_reason: str | None = None
+
+
+class _FastCompletion(msgspec.Struct):
+    choices: list[_FastChoice]
+    usage: _FastUsage | None = None
+    timings: dict[str, Any] | None = None
+    error: Any = None
+
+
+class _FastChat(msgspec.Struct):
+    choices: list[_FastChatChoice]
+    usage: _FastUsage | None = None
+    timings: dict[str, Any] | None = None
+    error: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -223,6 +270,7 @@ CONTENTLESS_STEP_MAX = 1
 class Adapter(abc.ABC):
     name: ProtocolName
     path: str
+    fast = False  # `fast_event` reads the common shape (else every event goes to `event`)
 
     @abc.abstractmethod
     def body(
@@ -246,6 +294,11 @@ class Adapter(abc.ABC):
     def whole(self, body: bytes) -> EventInfo:
         """A non-streaming response body as one event carrying every token."""
 
+    def fast_event(self, data: bytes, state: CountState) -> EventInfo | None:
+        """`event` of the raw bytes of an event of the protocol's common shape, faster;
+        None when it is not (then `event` reads it)."""
+        return None
+
     def _advance(self, info: EventInfo, state: CountState, cumulative: int, source: str) -> None:
         if cumulative < state.cumulative:
             raise ProtocolError(
@@ -268,8 +321,11 @@ class Adapter(abc.ABC):
 class OpenAIAdapter(Adapter):
     """OpenAI chat or completions, streaming with usage on every chunk (vLLM style)."""
 
+    fast = True
+
     def __init__(self, chat: bool) -> None:
         self.chat = chat
+        self._fast = msgspec.json.Decoder(_FastChat if chat else _FastCompletion)
         self.name = "openai-chat" if chat else "openai-completions"
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
 
@@ -338,19 +394,67 @@ class OpenAIAdapter(Adapter):
         completion = _int(usage, "completion_tokens") if usage is not None else None
         if usage is not None:
             info.prompt_tokens = _int(usage, "prompt_tokens")
-        if completion is not None and state.source in (None, "usage"):
-            self._advance(info, state, completion, "usage")
-            if not choices:  # the include_usage summary chunk: the final total
-                info.final_total = completion
-        elif completion is not None:
-            info.final_total = completion  # final usage after a chunk-counted stream
-        elif has_content:
-            count_chunk(info, state)  # no per-chunk usage
+        self._count(info, state, completion, not choices, has_content)
         timings = obj.get("timings")
         if isinstance(timings, dict):
             info.timings = timings
         info.cached_tokens = _cached_tokens(obj)
         return info
+
+    def fast_event(self, data: bytes, state: CountState) -> EventInfo | None:
+        """`event` for the common shape, decoded and checked in C (msgspec): the same
+        EventInfo, or None when the data is anything else (an error event, `[DONE]`, a
+        value of another type or out of range, NaN, invalid UTF-8, not JSON): `event`
+        then reads it and says what is wrong. Raises what `event` raises after the same
+        values (a count going back, a bad `timings.cache_n`)."""
+        try:
+            obj: Any = self._fast.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        if obj.error is not None:
+            return None
+        info = EventInfo()
+        has_content = False
+        for ch in obj.choices:
+            if self.chat:
+                piece = None if ch.delta is None else ch.delta.content
+            else:
+                piece = ch.text
+            if piece:
+                info.text += piece
+                has_content = True
+            if ch.finish_reason:
+                info.finish_reason = ch.finish_reason
+        usage = obj.usage
+        completion = None
+        if usage is not None:
+            completion, info.prompt_tokens = usage.completion_tokens, usage.prompt_tokens
+        self._count(info, state, completion, not obj.choices, has_content)
+        timings = obj.timings
+        if timings is not None:
+            info.timings = timings
+        details = None if usage is None else usage.prompt_tokens_details
+        info.cached_tokens = None if details is None else details.cached_tokens
+        if info.cached_tokens is None and timings is not None:
+            info.cached_tokens = _int(timings, "cache_n")
+        return info
+
+    def _count(
+        self,
+        info: EventInfo,
+        state: CountState,
+        completion: int | None,
+        no_choices: bool,
+        has_content: bool,
+    ) -> None:
+        if completion is not None and state.source in (None, "usage"):
+            self._advance(info, state, completion, "usage")
+            if no_choices:  # the include_usage summary chunk: the final total
+                info.final_total = completion
+        elif completion is not None:
+            info.final_total = completion  # final usage after a chunk-counted stream
+        elif has_content:
+            count_chunk(info, state)  # no per-chunk usage
 
     def whole(self, body: bytes) -> EventInfo:
         obj, nonfinite = load_json(body.decode("utf-8", errors="replace"))

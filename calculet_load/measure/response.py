@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import platform
+import re
 import socket
 import ssl
 import struct
@@ -182,7 +183,10 @@ class Run:
         self.hash = hashlib.sha256()
         self.done = False
         self.body = bytearray()
-        self.t: dict[str, int | None] = {k: None for k in ("t3", "t4", "t5")}
+        # the first event, first token and last token stamps
+        self.t3: int | None = None
+        self.t4: int | None = None
+        self.t5: int | None = None
         self.jump: str | None = None  # the first count that rose with no text to show
         self.read_t: int | None = None  # the stamp of the read the last event came in
         self.read_prev: int | None = None  # when the read before the current one returned
@@ -209,7 +213,7 @@ class Run:
             self._account(info, t)
             if info.error is not None:
                 raise Fail("server_error_event", info.error, info.error_type)
-            if cancel == "first_token" and self.t["t4"] is not None:
+            if cancel == "first_token" and self.t4 is not None:
                 return True
             if isinstance(cancel, int) and len(self.out.token_events) >= cancel:
                 return True
@@ -217,20 +221,49 @@ class Run:
             raise Fail("invalid_utf8", f"{self.parser.invalid_utf8} invalid UTF-8 sequence(s)")
         return False
 
+    def on_plain(self, data: bytes, size: int, t: int) -> bool:
+        """The data of an event that is one `data:` line, `size` bytes of the stream in all
+        (`_PLAIN_CHUNK`), of the adapter's common shape (`Adapter.fast_event`): read and
+        accounted as `on_sse` would, True. False when it is anything else; nothing was
+        consumed, and `on_sse` reads it."""
+        if self.done:
+            return False
+        if not data.isascii():
+            # the SSE parser decodes the line as UTF-8 and counts what is invalid (the
+            # decoder does not look inside strings of fields it does not read)
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return False
+        if t == self.read_t and self.in_read & 15 == 15 and self.pause is not None:
+            self.pause()  # as on_sse: a backlog read's events, other streams meanwhile
+        try:
+            info = self.adapter.fast_event(data, self.count)
+        except ProtocolError as exc:
+            raise Fail(exc.error_class, str(exc), raw=exc.raw) from None
+        if info is None:
+            return False
+        self.parser.skip(size)
+        self._account(info, t)
+        return True
+
     def _account(self, info: EventInfo, t: int) -> None:
         out = self.out
         index = out.events
-        out.events += 1
+        out.events = index + 1
         if t != self.read_t:  # each read has its own stamp
-            self.read_t, self.in_read, self.tokens_in_read = t, 0, 0
+            self.read_t, self.in_read, self.tokens_in_read = t, 1, 0
             out.event_reads += 1
-        self.in_read += 1
-        out.max_events_per_read = max(out.max_events_per_read, self.in_read)
-        if self.t["t3"] is None:
-            self.t["t3"] = t
+        else:
+            self.in_read += 1
+        if self.in_read > out.max_events_per_read:
+            out.max_events_per_read = self.in_read
+        if self.t3 is None:
+            self.t3 = t
         if info.nonfinite:
             out.nonfinite = True
-        out.error_output_chars += info.error_output_chars
+        if info.error_output_chars:
+            out.error_output_chars += info.error_output_chars
         if info.count_anomaly is not None and self.jump is None:
             self.jump = f"event {index}: {info.count_anomaly}"
         if info.text:
@@ -239,18 +272,18 @@ class Run:
             self.hash.update(info.text.encode("utf-8", "surrogatepass"))
         if info.tokens:
             self.tokens_in_read += 1
-            if (
+            if self.t4 is None:
+                self.t4 = t
+            elif (
                 self.tokens_in_read == 2
-                and self.t["t4"] == t
+                and self.t4 == t
                 and out.late_bound_ns is not None
                 and self.read_prev
             ):
                 # the first token shares its read with the second: it is stamped with
                 # the read's last bytes, and arrived after the read before returned
                 out.late_bound_ns = t - self.read_prev
-            if self.t["t4"] is None:
-                self.t["t4"] = t
-            self.t["t5"] = t
+            self.t5 = t
             out.output_tokens += info.tokens
             ev = TokenEvent(out.request_id, index, t, info.tokens, info.cumulative)
             out.token_events.append(ev)
@@ -376,7 +409,7 @@ def finish(run: Run, status: int, t_end: int) -> None:
         # event and a first token at t6, but no decode interval (TPOT is undefined).
         run.count.source = info.count_source
         run._account(info, t_end)
-        run.t["t5"] = None
+        run.t5 = None
         if info.error is not None:
             raise Fail("server_error_event", info.error, info.error_type)
     if run.out.nonfinite:
@@ -491,9 +524,9 @@ def conclude(
         request_start=ns["t0"],
         headers_sent=ns["t1"],
         response_headers=ns["t2"],
-        first_event=run.t["t3"],
-        first_token=run.t["t4"],
-        last_token=run.t["t5"],
+        first_event=run.t3,
+        first_token=run.t4,
+        last_token=run.t5,
         response_end=ns["t6"],
     )
     if out.output_tokens or out.events:
@@ -691,15 +724,39 @@ def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
         raise Fail("cancelled", f"cancelled at {out.cancelled_at}")
 
 
+# A whole chunk of one SSE event of one `data: ` line: a plain size line (hex digits, no
+# extension), the line, the blank line, the chunk's CRLF. Its size must match (`_chunked`).
+_PLAIN_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,20})\r\ndata: ([^\r\n]*)\n\n\r\n")
+
+
 def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> Respond:
     """A chunked event stream's body, after h11 read the head: the bytes already read
-    first, then each read's chunks, decoded as h11 decodes them, to the last chunk."""
+    first, then each read's chunks, decoded as h11 decodes them, to the last chunk.
+
+    The fast path: when the decoder is between chunks and the SSE parser between events,
+    while a read's next bytes are a whole chunk holding exactly one event of one `data: `
+    line (`_PLAIN_CHUNK`, its size checked) of the adapter's common shape (`Run.on_plain`),
+    that event is read from the bytes as they are; at the first that is not, nothing of
+    it consumed, the rest of the read goes the general way (`ChunkedDecoder.feed`,
+    `Run.on_sse`). The outcome is the same either way (tests/load/test_fastpath.py)."""
     run = rd.run
+    quick = cancel is None and run.adapter.fast
     data = b""
     closed = False
     while True:
+        pos = 0
+        if quick and body.between and run.parser.between:
+            end, limit = len(data), run.parser.max_line_bytes
+            while pos < end and (m := _PLAIN_CHUNK.match(data, pos)) is not None:
+                size = m.end(2) - m.start(2) + 8  # "data: " + the data + "\n\n"
+                if int(m[1], 16) != size or size - 2 > limit or not run.on_plain(m[2], size, rd.t):
+                    break
+                pos = m.end()
         try:
-            chunk = body.feed(data)
+            if pos == len(data) > 0:  # all of it read on the fast path
+                chunk = b""
+            else:
+                chunk = body.feed(data[pos:] if pos else data)
         except ValueError as exc:
             raise Fail("malformed_http", str(exc)) from None
         if chunk:

@@ -167,6 +167,22 @@ class SSEParser:
                 events.append(event)
         return events
 
+    @property
+    def between(self) -> bool:
+        """Between events with nothing held (no partial line, no field of an event yet,
+        no rare state): a caller may read whole plain events itself and `skip` them."""
+        return not (self._guarded or self._buf or self._fields_pending)
+
+    @property
+    def max_line_bytes(self) -> int:
+        return self._max_line_bytes
+
+    def skip(self, n: int) -> None:
+        """Consume `n` bytes the caller read as whole events of `data:` lines, `between`
+        events: the parser is left as `feed` leaves it after them (between events, the
+        same last event id and event type)."""
+        self._fed += n
+
     def close(self) -> list[SSEEvent]:
         """End of stream. Returns [] (the spec discards an unterminated event); idempotent."""
         if not self._closed:

@@ -1,0 +1,339 @@
+"""The event stream's fast path (issue 18) reads exactly what the general path reads.
+
+`measure.response._chunked` reads a whole chunk holding one plain `data: ` event of the
+common OpenAI shape straight from the read's bytes (`_PLAIN_CHUNK`, `Run.on_plain`,
+`OpenAIAdapter.fast_event`: msgspec decodes and type-checks it in C), and hands
+everything else to the general path (`ChunkedDecoder.feed`, `SSEParser.feed`,
+`OpenAIAdapter.event`). Each stream here is read twice, split into the same reads: once
+with the fast path and once with the adapter's fast path turned off. The outcome (every
+field, every token event, the hash, the verdict and the error's class, detail and raw
+value) must be the same. Streams are built from valid token events and from every
+irregular form the fast path must refuse: other SSE framings, other chunk framings, and
+event data of the wrong type, out of range, NaN, invalid UTF-8, lone surrogates, errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from calculet_load.clock import FakeClock
+from calculet_load.measure.protocols import OpenAIAdapter
+from calculet_load.measure.response import (
+    Fail,
+    Outcome,
+    Reads,
+    Run,
+    Timeouts,
+    conclude,
+    respond,
+    wire,
+)
+from calculet_load.measure.sse import SSEParser
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+END = b"0\r\n\r\n"
+
+
+def _token(n: int, chat: bool, text: str = " w") -> bytes:
+    choice: dict[str, Any] = (
+        {"index": 0, "delta": {"content": text}, "finish_reason": None}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    )
+    obj = {"id": "x", "choices": [choice], "usage": {"prompt_tokens": 8, "completion_tokens": n}}
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+# Event data the fast path must refuse or read exactly as `event` does (n: the count so far)
+ODD_DATA: list[bytes] = [
+    b"[DONE]",
+    b'{"error":{"message":"overloaded","type":"server_error"}}',
+    b'{"error":"plain"}',
+    b'{"error":null,"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":true}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%.0}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":-1}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":9223372036854775808}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":123456789012345678901234567890}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":1}}',  # goes back
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%,"prompt_tokens":NaN}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%},"timings":{"x":1e400}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%},"timings":{"cache_n":-2}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%},"timings":{"cache_n":4}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%},"timings":"fast"}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%,'
+    b'"prompt_tokens_details":{"cached_tokens":3}}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%,'
+    b'"prompt_tokens_details":{"cached_tokens":"3"}}}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%,"prompt_tokens_details":[]}}',
+    b'{"choices":[{"text":"\\ud800"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":"caf\xc3\xa9 \xe2\x82\xac"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":"bad \xff byte"}],"usage":{"completion_tokens":%N%}}',
+    b'\xef\xbb\xbf{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":5}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"delta":{"content":"a"}}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"delta":"a"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":"a","finish_reason":"length"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":"a","text":"b"}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":"a"}',
+    b'{"choices":[7]}',
+    b'{"choices":[],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":""}],"usage":{"completion_tokens":%N%}}',
+    b'{"choices":[{"text":""}],"usage":{"completion_tokens":%N+5%}}',
+    b'{"choices":[{"text":"a"}]}',
+    b'{"choices":[{"text":"a"}],"usage":null}',
+    b'{"choices":[{"text":"a"}],"usage":5}',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%}} ',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%}}x',
+    b'{"choices":[{"text":"a"}],"usage":{"completion_tokens":%N%}',
+    b"[1,2]",
+    b"",
+]
+
+# How an event's data goes into SSE (the first is the plain form the fast path reads)
+FRAMINGS = [
+    b"data: %s\n\n",
+    b"data:%s\n\n",
+    b"data: %s\r\n\r\n",
+    b"data: %s\r\r",
+    b"id: 7\ndata: %s\n\n",
+    b"event: delta\ndata: %s\n\n",
+    b": keep-alive\n\ndata: %s\n\n",
+    b"data: %s\ndata: {}\n\n",
+    b"data: %s\n",  # its blank line comes with the next event
+]
+
+
+def _chunk(body: bytes, how: int) -> bytes:
+    """One chunk of `body` in one of several framings (0: the plain one)."""
+    size = len(body)
+    return [
+        b"%x\r\n%s\r\n" % (size, body),
+        b"%X\r\n%s\r\n" % (size, body),
+        b"00%x\r\n%s\r\n" % (size, body),
+        b"%x;ext=1\r\n%s\r\n" % (size, body),
+        b"%x \r\n%s\r\n" % (size, body),
+        b"%x\r\n%s\r\n" % (size + 1, body + b"\n"),  # one more byte: still valid SSE
+        b"%x\r\n%s\r\n" % (max(size - 1, 1), body),  # a lying size: malformed
+    ][how]
+
+
+def _read(
+    reads: list[bytes], adapter: OpenAIAdapter, closed_at_end: bool, limit: int | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Read the response from `reads` as an engine would; the verdict and the outcome."""
+    clock = FakeClock()
+    out = Outcome("req-1")
+    run = Run(adapter, out, clock, True)
+    if limit is not None:
+        run.parser = SSEParser(max_line_bytes=limit)
+    conn, _ = wire(("/v1/completions", [("Host", "x"), ("Content-Length", "2")], b"{}"))
+    ns: dict[str, int | None] = {"t0": 1_000, "t1": 2_000, "t2": None, "t6": None}
+    rd = Reads(run, ns, Timeouts(), 10**18, False)
+    gen = respond(conn, rd, None)
+    next(gen)
+    verdict: tuple[Any, ...] = ("more",)
+    try:
+        for i, data in enumerate(reads):
+            closed = closed_at_end and i == len(reads) - 1
+            rd.took(data, closed, 10_000 * (i + 1), None)
+            gen.send((data, closed))
+    except StopIteration as end:
+        verdict = ("end", end.value)
+    except Fail as f:
+        verdict = ("fail", f.error_class, f.detail, f.code, f.raw)
+    conclude(run, ns, 64, 0)
+    fields = dataclasses.asdict(out)
+    fields["token_events"] = [dataclasses.astuple(e) for e in out.token_events]
+    return verdict, fields
+
+
+def _both(
+    reads: list[bytes], chat: bool, closed_at_end: bool = False, limit: int | None = None
+) -> tuple[Any, Any, int]:
+    fast_adapter, slow_adapter = OpenAIAdapter(chat), OpenAIAdapter(chat)
+    slow_adapter.fast = False  # the general path only
+    taken = 0
+    real = Run.on_plain
+
+    def counted(self: Run, data: bytes, size: int, t: int) -> bool:
+        nonlocal taken
+        ok = real(self, data, size, t)
+        taken += ok
+        return ok
+
+    Run.on_plain = counted  # type: ignore[method-assign]
+    try:
+        fast = _read(reads, fast_adapter, closed_at_end, limit)
+    finally:
+        Run.on_plain = real  # type: ignore[method-assign]
+    slow = _read(reads, slow_adapter, closed_at_end, limit)
+    return fast, slow, taken
+
+
+def _split(stream: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(stream) + 1) for c in cuts})
+    bounds = zip([0, *points], [*points, len(stream)], strict=True)
+    return [p for p in (stream[a:b] for a, b in bounds) if p]
+
+
+def test_the_common_stream_takes_the_fast_path_and_reads_the_same() -> None:
+    for chat in (False, True):
+        body = b"".join(_chunk(b"data: %s\n\n" % _token(n, chat), 0) for n in range(1, 41))
+        body += _chunk(b"data: [DONE]\n\n", 0) + END
+        # the head alone, then one read per chunk, as a server writing each token gives
+        reads = [HEAD]
+        rest = body
+        while rest:
+            cut = rest.index(b"\r\n", rest.index(b"\r\n") + 2) + 2
+            reads.append(rest[:cut])
+            rest = rest[cut:]
+        fast, slow, taken = _both(reads, chat)
+        assert fast == slow
+        verdict, out = fast
+        assert verdict == ("end", True)
+        assert out["output_tokens"] == 40 and out["error_class"] is None
+        assert [e[2] for e in out["token_events"]] == [10_000 * (i + 2) for i in range(40)]
+        # the first event waits for the parser's first read (the BOM check): the rest
+        # but [DONE] go the fast way
+        assert taken == 39
+
+
+def test_a_read_of_many_chunks_and_chunks_cut_across_reads_read_the_same() -> None:
+    body = b"".join(_chunk(b"data: %s\n\n" % _token(n, False), 0) for n in range(1, 30))
+    body += _chunk(b"data: [DONE]\n\n", 0) + END
+    for cuts in ([], [len(body) // 2], list(range(7, len(body), 97)), [3, 4, 5, 300]):
+        reads = [HEAD, *_split(body, cuts)]
+        fast, slow, taken = _both(reads, False)
+        assert fast == slow
+        assert fast[0] == ("end", True)
+        assert fast[1]["output_tokens"] == 29
+    first = body.index(b"\r\n", body.index(b"\r\n") + 2) + 2
+    _, _, taken = _both([HEAD, body[:first], body[first:]], False)
+    assert taken == 28  # the rest in one read: every event but [DONE]
+
+
+@pytest.mark.parametrize("odd", range(len(ODD_DATA)))
+@pytest.mark.parametrize("chat", [False, True])
+def test_each_irregular_event_reads_the_same(odd: int, chat: bool) -> None:
+    events = [_token(n, chat) for n in range(1, 4)]
+    events.append(ODD_DATA[odd].replace(b"%N%", b"4").replace(b"%N+5%", b"9"))
+    events += [_token(n, chat) for n in range(5, 8)]
+    body = b"".join(_chunk(b"data: %s\n\n" % e, 0) for e in events) + END
+    per_chunk = [HEAD]
+    rest = body
+    while rest.startswith(b"0\r\n") is False:
+        size_end = rest.index(b"\r\n")
+        cut = size_end + 2 + int(rest[:size_end], 16) + 2
+        per_chunk.append(rest[:cut])
+        rest = rest[cut:]
+    per_chunk.append(rest)
+    fast, slow, _ = _both(per_chunk, chat)
+    assert fast == slow
+
+
+def test_a_line_over_the_parsers_limit_is_refused_the_same() -> None:
+    events = [_token(n, False) for n in range(1, 6)]
+    events[3] = _token(4, False, text="x" * 200)
+    body = b"".join(_chunk(b"data: %s\n\n" % e, 0) for e in events) + END
+    fast, slow, _ = _both([HEAD, body], False, limit=150)
+    assert fast == slow
+    assert fast[0][:2] == ("fail", "malformed_sse")
+
+
+# mostly the common form, so that a stream has runs the fast path reads
+_MOSTLY_ZERO = st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 99))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chat=st.booleans(),
+    items=st.lists(
+        st.tuples(
+            st.one_of(*[st.just(-1)] * 5, st.integers(0, len(ODD_DATA) - 1)),
+            _MOSTLY_ZERO.map(lambda i: i % len(FRAMINGS)),
+            _MOSTLY_ZERO.map(lambda i: i % 7),
+            st.integers(0, 5).map(lambda i: i == 0),  # joined to the next event's chunk
+            st.integers(0, 3).map(lambda i: i == 0),  # read with the chunk before it
+        ),
+        max_size=14,
+    ),
+    cuts=st.lists(st.integers(0, 5000), max_size=3),
+    end=st.sampled_from([END, END, b"", b"0\r\nX-A: 1\r\n\r\n", b"0\r\n"]),
+    closed=st.booleans(),
+)
+def test_any_stream_reads_the_same_on_both_paths(
+    chat: bool,
+    items: list[tuple[int, int, int, bool, bool]],
+    cuts: list[int],
+    end: bytes,
+    closed: bool,
+) -> None:
+    """Random streams: valid token events (-1) and irregular ones, in any framing, one
+    chunk per event or several, a read per chunk or several chunks per read, and a few
+    reads cut anywhere."""
+    n = 0
+    reads = [HEAD]
+    pending = b""
+    for which, framing, chunking, join, merge in items:
+        n += 1
+        if which >= 0:
+            data = ODD_DATA[which].replace(b"%N%", b"%d" % n).replace(b"%N+5%", b"%d" % (n + 5))
+        else:
+            data = _token(n, chat)
+        sse = FRAMINGS[framing] % data
+        if join:
+            pending += sse
+            continue
+        chunk = _chunk(pending + sse, chunking)
+        pending = b""
+        if merge and len(reads) > 1:
+            reads[-1] += chunk
+        else:
+            reads.append(chunk)
+    if pending:
+        reads.append(_chunk(pending, 0))
+    if end:
+        reads.append(end)
+    if cuts:
+        reads = [HEAD, *_split(b"".join(reads[1:]), cuts)] if len(cuts) > 2 else reads
+    fast, slow, _ = _both(reads, chat, closed_at_end=closed)
+    assert fast == slow
+
+
+def test_the_fast_path_is_off_when_a_cancel_is_asked() -> None:
+    """Cancelling at the first token or after N tokens reads on the general path (its
+    checks run per event there)."""
+    body = b"".join(_chunk(b"data: %s\n\n" % _token(n, False), 0) for n in range(1, 6))
+    calls = 0
+    real = Run.on_plain
+
+    def counted(self: Run, data: bytes, size: int, t: int) -> bool:
+        nonlocal calls
+        calls += 1
+        return real(self, data, size, t)
+
+    Run.on_plain = counted  # type: ignore[method-assign]
+    try:
+        out = Outcome("r")
+        run = Run(OpenAIAdapter(False), out, FakeClock(), True)
+        conn, _ = wire(("/v1/completions", [("Host", "x"), ("Content-Length", "2")], b"{}"))
+        ns: dict[str, int | None] = {"t0": 1, "t1": 2, "t2": None, "t6": None}
+        rd = Reads(run, ns, Timeouts(), 10**18, False)
+        gen = respond(conn, rd, 3)
+        next(gen)
+        with pytest.raises(Fail) as failed:
+            for i, data in enumerate([HEAD, body]):
+                rd.took(data, False, 10 * (i + 1), None)
+                gen.send((data, False))
+        assert failed.value.error_class == "cancelled"
+        assert len(out.token_events) == 3
+    finally:
+        Run.on_plain = real  # type: ignore[method-assign]
+    assert calls == 0
