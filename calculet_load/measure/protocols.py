@@ -1,3 +1,4 @@
+# size: the protocols' bodies and event reading; the OpenAI event two ways on one count logic
 """Protocol adapters (DESIGN §3.1): build request bodies and read each event.
 
 An adapter turns one SSE `data:` payload into an `EventInfo`: the generated tokens it
