@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calculet_load.clock import FakeClock
-from calculet_load.measure.protocols import OpenAIAdapter
+from calculet_load.measure.protocols import Adapter, LlamaAdapter, OpenAIAdapter
 from calculet_load.measure.response import (
     Fail,
     Outcome,
@@ -40,13 +40,38 @@ HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding
 END = b"0\r\n\r\n"
 
 
-def _token(n: int, chat: bool, text: str = " w") -> bytes:
-    choice: dict[str, Any] = (
-        {"index": 0, "delta": {"content": text}, "finish_reason": None}
-        if chat
-        else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
-    )
-    obj = {"id": "x", "choices": [choice], "usage": {"prompt_tokens": 8, "completion_tokens": n}}
+PROTOCOLS = ("openai-completions", "openai-chat", "llama")
+
+
+def _adapter(proto: str) -> Adapter:
+    return LlamaAdapter() if proto == "llama" else OpenAIAdapter(proto == "openai-chat")
+
+
+def _token(n: int, proto: str, text: str = " w") -> bytes:
+    """The data of the n-th token event, as the server of `proto` sends it."""
+    if proto == "llama":
+        obj: dict[str, Any] = {
+            "index": 0, "content": text, "tokens": [5], "stop": False, "id_slot": -1,
+            "tokens_predicted": n, "tokens_evaluated": 8,
+        }  # fmt: skip
+    else:
+        choice: dict[str, Any] = (
+            {"index": 0, "delta": {"content": text}, "finish_reason": None}
+            if proto == "openai-chat"
+            else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+        )
+        usage = {"prompt_tokens": 8, "completion_tokens": n}
+        obj = {"id": "x", "choices": [choice], "usage": usage}
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _last(n: int, proto: str) -> bytes:
+    """The data of the protocol's end: `[DONE]`, llama.cpp's `stop: true` event."""
+    if proto != "llama":
+        return b"[DONE]"
+    timings = {"cache_n": 2, "prompt_n": 8, "predicted_n": n, "predicted_ms": 5.5}
+    obj = {"content": "", "stop": True, "stop_type": "limit", "tokens_predicted": n,
+           "tokens_evaluated": 8, "timings": timings}  # fmt: skip
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -96,6 +121,33 @@ ODD_DATA: list[bytes] = [
     b"",
 ]
 
+# ... and for llama.cpp's native events
+LLAMA_ODD: list[bytes] = [
+    b'{"content":"a","stop":false,"tokens_predicted":%N%,"tokens_evaluated":8}',
+    b'{"content":"a","stop":true,"tokens_predicted":%N%,"timings":{"predicted_n":%N%}}',
+    b'{"content":"a","stop":1,"tokens_predicted":%N%}',
+    b'{"content":"a","stop":"yes","tokens_predicted":%N%}',
+    b'{"content":"a","tokens_predicted":1}',  # goes back
+    b'{"content":"a","tokens_predicted":true}',
+    b'{"content":"a","tokens_predicted":-3}',
+    b'{"content":"a","tokens_predicted":%N%.0}',
+    b'{"content":"a","tokens_predicted":99999999999999999999999}',
+    b'{"content":"a","tokens_predicted":%N%,"tokens_evaluated":"8"}',
+    b'{"content":"a","tokens_predicted":1,"tokens_evaluated":-1}',  # back, then bad
+    b'{"content":5,"tokens_predicted":%N%}',
+    b'{"content":null,"tokens_predicted":%N%}',
+    b'{"content":"","tokens_predicted":%N+5%}',
+    b'{"content":"a"}',
+    b'{"content":"bad \xff byte","tokens_predicted":%N%}',
+    b'{"content":"\\ud800","tokens_predicted":%N%}',
+    b'{"content":"a","tokens_predicted":%N%,"x":NaN}',
+    b'{"error":{"code":500,"message":"slot unavailable","type":"server_error"}}',
+    b'{"error":"plain"}',
+    b"[DONE]",
+    b"[1]",
+    b"",
+]
+
 # How an event's data goes into SSE (the first is the plain form the fast path reads)
 FRAMINGS = [
     b"data: %s\n\n",
@@ -125,7 +177,7 @@ def _chunk(body: bytes, how: int) -> bytes:
 
 
 def _read(
-    reads: list[bytes], adapter: OpenAIAdapter, closed_at_end: bool, limit: int | None
+    reads: list[bytes], adapter: Adapter, closed_at_end: bool, limit: int | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Read the response from `reads` as an engine would; the verdict and the outcome."""
     clock = FakeClock()
@@ -154,10 +206,14 @@ def _read(
     return verdict, fields
 
 
+def _odd(proto: str) -> list[bytes]:
+    return LLAMA_ODD if proto == "llama" else ODD_DATA
+
+
 def _both(
-    reads: list[bytes], chat: bool, closed_at_end: bool = False, limit: int | None = None
+    reads: list[bytes], proto: str, closed_at_end: bool = False, limit: int | None = None
 ) -> tuple[Any, Any, int]:
-    fast_adapter, slow_adapter = OpenAIAdapter(chat), OpenAIAdapter(chat)
+    fast_adapter, slow_adapter = _adapter(proto), _adapter(proto)
     slow_adapter.fast = False  # the general path only
     taken = 0
     real = Run.on_plain
@@ -183,66 +239,69 @@ def _split(stream: bytes, cuts: list[int]) -> list[bytes]:
     return [p for p in (stream[a:b] for a, b in bounds) if p]
 
 
-def test_the_common_stream_takes_the_fast_path_and_reads_the_same() -> None:
-    for chat in (False, True):
-        body = b"".join(_chunk(b"data: %s\n\n" % _token(n, chat), 0) for n in range(1, 41))
-        body += _chunk(b"data: [DONE]\n\n", 0) + END
-        # the head alone, then one read per chunk, as a server writing each token gives
-        reads = [HEAD]
-        rest = body
-        while rest:
-            cut = rest.index(b"\r\n", rest.index(b"\r\n") + 2) + 2
-            reads.append(rest[:cut])
-            rest = rest[cut:]
-        fast, slow, taken = _both(reads, chat)
-        assert fast == slow
-        verdict, out = fast
-        assert verdict == ("end", True)
-        assert out["output_tokens"] == 40 and out["error_class"] is None
-        assert [e[2] for e in out["token_events"]] == [10_000 * (i + 2) for i in range(40)]
-        # the first event waits for the parser's first read (the BOM check): the rest
-        # but [DONE] go the fast way
-        assert taken == 39
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_the_common_stream_takes_the_fast_path_and_reads_the_same(proto: str) -> None:
+    events = [_token(n, proto) for n in range(1, 41)] + [_last(40, proto)]
+    body = b"".join(_chunk(b"data: %s\n\n" % e, 0) for e in events) + END
+    # the head alone, then one read per chunk, as a server writing each token gives
+    reads = [HEAD]
+    rest = body
+    while rest:
+        cut = rest.index(b"\r\n", rest.index(b"\r\n") + 2) + 2
+        reads.append(rest[:cut])
+        rest = rest[cut:]
+    fast, slow, taken = _both(reads, proto)
+    assert fast == slow
+    verdict, out = fast
+    assert verdict == ("end", True)
+    assert out["output_tokens"] == 40 and out["error_class"] is None
+    assert [e[2] for e in out["token_events"]] == [10_000 * (i + 2) for i in range(40)]
+    if proto == "llama":
+        assert out["server_total"] == 40 and out["cached_tokens"] == 2
+    # the first event waits for the parser's first read (the BOM check): the rest but
+    # the end ([DONE], llama.cpp's stop event) go the fast way
+    assert taken == 39
 
 
 def test_a_read_of_many_chunks_and_chunks_cut_across_reads_read_the_same() -> None:
-    body = b"".join(_chunk(b"data: %s\n\n" % _token(n, False), 0) for n in range(1, 30))
+    body = b"".join(
+        _chunk(b"data: %s\n\n" % _token(n, "openai-completions"), 0) for n in range(1, 30)
+    )
     body += _chunk(b"data: [DONE]\n\n", 0) + END
     for cuts in ([], [len(body) // 2], list(range(7, len(body), 97)), [3, 4, 5, 300]):
         reads = [HEAD, *_split(body, cuts)]
-        fast, slow, taken = _both(reads, False)
+        fast, slow, taken = _both(reads, "openai-completions")
         assert fast == slow
         assert fast[0] == ("end", True)
         assert fast[1]["output_tokens"] == 29
     first = body.index(b"\r\n", body.index(b"\r\n") + 2) + 2
-    _, _, taken = _both([HEAD, body[:first], body[first:]], False)
+    _, _, taken = _both([HEAD, body[:first], body[first:]], "openai-completions")
     assert taken == 28  # the rest in one read: every event but [DONE]
 
 
-@pytest.mark.parametrize("odd", range(len(ODD_DATA)))
-@pytest.mark.parametrize("chat", [False, True])
-def test_each_irregular_event_reads_the_same(odd: int, chat: bool) -> None:
-    events = [_token(n, chat) for n in range(1, 4)]
-    events.append(ODD_DATA[odd].replace(b"%N%", b"4").replace(b"%N+5%", b"9"))
-    events += [_token(n, chat) for n in range(5, 8)]
+@pytest.mark.parametrize(("proto", "odd"), [(p, i) for p in PROTOCOLS for i in range(len(_odd(p)))])
+def test_each_irregular_event_reads_the_same(proto: str, odd: int) -> None:
+    events = [_token(n, proto) for n in range(1, 4)]
+    events.append(_odd(proto)[odd].replace(b"%N%", b"4").replace(b"%N+5%", b"9"))
+    events += [_token(n, proto) for n in range(5, 8)]
     body = b"".join(_chunk(b"data: %s\n\n" % e, 0) for e in events) + END
     per_chunk = [HEAD]
     rest = body
-    while rest.startswith(b"0\r\n") is False:
+    while not rest.startswith(b"0\r\n"):
         size_end = rest.index(b"\r\n")
         cut = size_end + 2 + int(rest[:size_end], 16) + 2
         per_chunk.append(rest[:cut])
         rest = rest[cut:]
     per_chunk.append(rest)
-    fast, slow, _ = _both(per_chunk, chat)
+    fast, slow, _ = _both(per_chunk, proto)
     assert fast == slow
 
 
 def test_a_line_over_the_parsers_limit_is_refused_the_same() -> None:
-    events = [_token(n, False) for n in range(1, 6)]
-    events[3] = _token(4, False, text="x" * 200)
+    events = [_token(n, "openai-completions") for n in range(1, 6)]
+    events[3] = _token(4, "openai-completions", text="x" * 200)
     body = b"".join(_chunk(b"data: %s\n\n" % e, 0) for e in events) + END
-    fast, slow, _ = _both([HEAD, body], False, limit=150)
+    fast, slow, _ = _both([HEAD, body], "openai-completions", limit=150)
     assert fast == slow
     assert fast[0][:2] == ("fail", "malformed_sse")
 
@@ -253,10 +312,10 @@ _MOSTLY_ZERO = st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 99))
 
 @settings(max_examples=300, deadline=None)
 @given(
-    chat=st.booleans(),
+    proto=st.sampled_from(PROTOCOLS),
     items=st.lists(
         st.tuples(
-            st.one_of(*[st.just(-1)] * 5, st.integers(0, len(ODD_DATA) - 1)),
+            st.one_of(*[st.just(-1)] * 5, st.integers(0, 999)),  # -1: a token event
             _MOSTLY_ZERO.map(lambda i: i % len(FRAMINGS)),
             _MOSTLY_ZERO.map(lambda i: i % 7),
             st.integers(0, 5).map(lambda i: i == 0),  # joined to the next event's chunk
@@ -269,7 +328,7 @@ _MOSTLY_ZERO = st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 99))
     closed=st.booleans(),
 )
 def test_any_stream_reads_the_same_on_both_paths(
-    chat: bool,
+    proto: str,
     items: list[tuple[int, int, int, bool, bool]],
     cuts: list[int],
     end: bytes,
@@ -284,9 +343,10 @@ def test_any_stream_reads_the_same_on_both_paths(
     for which, framing, chunking, join, merge in items:
         n += 1
         if which >= 0:
-            data = ODD_DATA[which].replace(b"%N%", b"%d" % n).replace(b"%N+5%", b"%d" % (n + 5))
+            odd = _odd(proto)[which % len(_odd(proto))]
+            data = odd.replace(b"%N%", b"%d" % n).replace(b"%N+5%", b"%d" % (n + 5))
         else:
-            data = _token(n, chat)
+            data = _token(n, proto)
         sse = FRAMINGS[framing] % data
         if join:
             pending += sse
@@ -303,14 +363,16 @@ def test_any_stream_reads_the_same_on_both_paths(
         reads.append(end)
     if cuts:
         reads = [HEAD, *_split(b"".join(reads[1:]), cuts)] if len(cuts) > 2 else reads
-    fast, slow, _ = _both(reads, chat, closed_at_end=closed)
+    fast, slow, _ = _both(reads, proto, closed_at_end=closed)
     assert fast == slow
 
 
 def test_the_fast_path_is_off_when_a_cancel_is_asked() -> None:
     """Cancelling at the first token or after N tokens reads on the general path (its
     checks run per event there)."""
-    body = b"".join(_chunk(b"data: %s\n\n" % _token(n, False), 0) for n in range(1, 6))
+    body = b"".join(
+        _chunk(b"data: %s\n\n" % _token(n, "openai-completions"), 0) for n in range(1, 6)
+    )
     calls = 0
     real = Run.on_plain
 
