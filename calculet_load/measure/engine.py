@@ -104,8 +104,10 @@ class IoEngine:
             self.loop.run_forever()
 
         _start_thread(main, ())
-        # The interpreter's GIL switch interval (5 ms) stays: at 320 req/s a 0.5 ms one
-        # made the engine's reads wait longer (read wait p50 9.9 ms against 3.6 ms).
+        # The engine leaves the interpreter's GIL switch interval as the process has it
+        # (5 ms by default; the Locust plugin sets 0.5 ms, for the gevent engine's loop:
+        # calculet_load/locust/plugin.py). docs/measurement.md has what each did to
+        # this engine's tails in a Locust worker (stops 24 and 26).
         ready.acquire()  # a few ms, once per process
 
     def _waker(self) -> tuple[Any, collections.deque[tuple[Any, Any, bool]]]:
