@@ -28,13 +28,12 @@ import asyncio
 import json
 import os
 import random
-import select
-import shutil
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 from typing import Any
+
+import psutil
+from client_speed import ExactServer  # this folder's: the exact server, started and stopped
 
 from calculet_load.clock import SystemClock
 from calculet_load.measure.protocols import Adapter, LlamaAdapter, OpenAIAdapter
@@ -42,7 +41,6 @@ from calculet_load.measure.response import Outcome, Reads, Run, Timeouts, conclu
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 PROTOCOLS = ("openai-completions", "openai-chat", "llama")
-SERVER = Path(__file__).resolve().parent / "exact_server.py"
 
 
 def adapter(proto: str, fast: bool) -> Adapter:
@@ -121,22 +119,9 @@ def part1(repeat: int) -> None:
         print(f"  {proto:20} {per[True]:7.2f} {per[False]:8.2f} {per[True] / per[False]:12.2f}x")
 
 
-def start_server(core: int | None) -> tuple[subprocess.Popen[bytes], str]:
-    pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
-    proc = subprocess.Popen([*pin, sys.executable, str(SERVER), "--port", "0"],
-                            stdout=subprocess.PIPE)  # fmt: skip
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 20)
-    line = proc.stdout.readline().decode() if ready else ""
-    if "listening on " not in line:
-        proc.kill()
-        raise SystemExit(f"exact_server did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[1].strip()
-
-
 def thread_cpu_s(tid: int) -> float:
-    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of this process's thread `tid` (its native id)."""
+    return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
 
 
 def engine_alone(url: str, proto: str, fast: bool, rate: float, seconds: float) -> float:
@@ -164,7 +149,7 @@ def engine_alone(url: str, proto: str, fast: bool, rate: float, seconds: float) 
             done[0] += 1
 
     async def load() -> None:
-        tid.append(__import__("threading").get_native_id())
+        tid.append(threading.get_native_id())
         loop, tasks, rng = asyncio.get_running_loop(), set(), random.Random(1)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -188,18 +173,18 @@ def part2(rate: float, seconds: float, proto: str) -> None:
     pin = (os.cpu_count() or 1) > 1
     if pin:
         os.sched_setaffinity(0, {0})
-    proc, url = start_server(1 if pin else None)
+    server = ExactServer(1 if pin else None, ttft_ms=50.0, itl_ms=10.0)
     try:
         print(f"Part 2: the thread engine's loop alone, {proto} at {rate:g} req/s for "
               f"{seconds:g} s, engine thread CPU per request (µs), steady middle")  # fmt: skip
         got: dict[bool, list[float]] = {True: [], False: []}
         for fast in (True, False, True, False):
-            got[fast].append(engine_alone(url, proto, fast, rate, seconds))
+            got[fast].append(engine_alone(server.url, proto, fast, rate, seconds))
             print(f"  fast path {'on ' if fast else 'off'}: {got[fast][-1]:7.0f}")
         on, off = min(got[True]), min(got[False])
         print(f"  best of two: on {on:.0f}, off {off:.0f} µs per request: {on / off:.2f}x")
     finally:
-        proc.kill()
+        server.stop()
 
 
 def main() -> None:

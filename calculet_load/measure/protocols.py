@@ -78,8 +78,8 @@ class EventInfo:
     error_output_chars: int = 0
 
 
-# The common shape of an OpenAI stream event, decoded and type-checked in C by msgspec
-# (`OpenAIAdapter.fast_event`): unknown fields ignored, a value of another type, a count
+# The common shape of a token event (OpenAI's, llama.cpp's), decoded and type-checked in C
+# by msgspec (`fast_event`): unknown fields ignored, a value of another type, a count
 # outside 0..INT64_MAX, NaN or Infinity, invalid UTF-8 or a lone surrogate fail the decode,
 # and `event` reads the event instead (and says what is wrong with it).
 _Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
@@ -116,18 +116,18 @@ class _FastCompletion(msgspec.Struct):
     error: Any = None
 
 
+class _FastChat(msgspec.Struct):
+    choices: list[_FastChatChoice]
+    usage: _FastUsage | None = None
+    timings: dict[str, Any] | None = None
+    error: Any = None
+
+
 class _FastLlama(msgspec.Struct):
     content: str | None = None
     tokens_predicted: _Count | None = None
     tokens_evaluated: _Count | None = None
     stop: Any = None
-    error: Any = None
-
-
-class _FastChat(msgspec.Struct):
-    choices: list[_FastChatChoice]
-    usage: _FastUsage | None = None
-    timings: dict[str, Any] | None = None
     error: Any = None
 
 
@@ -403,7 +403,7 @@ class OpenAIAdapter(Adapter):
         completion = _int(usage, "completion_tokens") if usage is not None else None
         if usage is not None:
             info.prompt_tokens = _int(usage, "prompt_tokens")
-        self._count(info, state, completion, not choices, has_content)
+        self._count_usage(info, state, completion, not choices, has_content)
         timings = obj.get("timings")
         if isinstance(timings, dict):
             info.timings = timings
@@ -438,7 +438,7 @@ class OpenAIAdapter(Adapter):
         completion = None
         if usage is not None:
             completion, info.prompt_tokens = usage.completion_tokens, usage.prompt_tokens
-        self._count(info, state, completion, not obj.choices, has_content)
+        self._count_usage(info, state, completion, not obj.choices, has_content)
         timings = obj.timings
         if timings is not None:
             info.timings = timings
@@ -448,7 +448,7 @@ class OpenAIAdapter(Adapter):
             info.cached_tokens = _int(timings, "cache_n")
         return info
 
-    def _count(
+    def _count_usage(
         self,
         info: EventInfo,
         state: CountState,
@@ -554,7 +554,7 @@ class LlamaAdapter(Adapter):
             raise ProtocolError("protocol_violation", "content: expected a string")
         info.text = content or ""
         predicted = _int(obj, "tokens_predicted")
-        self._count(info, state, predicted)
+        self._count_predicted(info, state, predicted)
         info.prompt_tokens = _int(obj, "tokens_evaluated")
         if obj.get("stop") is True:
             info.done = True
@@ -579,11 +579,11 @@ class LlamaAdapter(Adapter):
         if obj.error is not None or obj.stop is True:
             return None
         info = EventInfo(text=obj.content or "")
-        self._count(info, state, obj.tokens_predicted)
+        self._count_predicted(info, state, obj.tokens_predicted)
         info.prompt_tokens = obj.tokens_evaluated
         return info
 
-    def _count(self, info: EventInfo, state: CountState, predicted: int | None) -> None:
+    def _count_predicted(self, info: EventInfo, state: CountState, predicted: int | None) -> None:
         if predicted is not None:
             self._advance(info, state, predicted, "tokens_predicted")
         elif info.text:

@@ -14,8 +14,10 @@ event data of the wrong type, out of range, NaN, invalid UTF-8, lone surrogates,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 from calculet_load.clock import FakeClock
 from calculet_load.measure.protocols import Adapter, LlamaAdapter, OpenAIAdapter
 from calculet_load.measure.response import (
+    CancelAt,
     Fail,
     Outcome,
     Reads,
@@ -177,7 +180,11 @@ def _chunk(body: bytes, how: int) -> bytes:
 
 
 def _read(
-    reads: list[bytes], adapter: Adapter, closed_at_end: bool, limit: int | None
+    reads: list[bytes],
+    adapter: Adapter,
+    closed_at_end: bool = False,
+    limit: int | None = None,
+    cancel: CancelAt = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Read the response from `reads` as an engine would; the verdict and the outcome."""
     clock = FakeClock()
@@ -188,7 +195,7 @@ def _read(
     conn, _ = wire(("/v1/completions", [("Host", "x"), ("Content-Length", "2")], b"{}"))
     ns: dict[str, int | None] = {"t0": 1_000, "t1": 2_000, "t2": None, "t6": None}
     rd = Reads(run, ns, Timeouts(), 10**18, False)
-    gen = respond(conn, rd, None)
+    gen = respond(conn, rd, cancel)
     next(gen)
     verdict: tuple[Any, ...] = ("more",)
     try:
@@ -210,27 +217,33 @@ def _odd(proto: str) -> list[bytes]:
     return LLAMA_ODD if proto == "llama" else ODD_DATA
 
 
+@contextlib.contextmanager
+def _fast_reads() -> Iterator[list[int]]:
+    """Count the events the fast path read (`Run.on_plain` returning True) meanwhile."""
+    taken = [0]
+    real = Run.on_plain
+
+    def counted(self: Run, data: bytes, size: int, t: int) -> bool:
+        ok = real(self, data, size, t)
+        taken[0] += ok
+        return ok
+
+    Run.on_plain = counted  # type: ignore[method-assign]
+    try:
+        yield taken
+    finally:
+        Run.on_plain = real  # type: ignore[method-assign]
+
+
 def _both(
     reads: list[bytes], proto: str, closed_at_end: bool = False, limit: int | None = None
 ) -> tuple[Any, Any, int]:
     fast_adapter, slow_adapter = _adapter(proto), _adapter(proto)
     slow_adapter.fast = False  # the general path only
-    taken = 0
-    real = Run.on_plain
-
-    def counted(self: Run, data: bytes, size: int, t: int) -> bool:
-        nonlocal taken
-        ok = real(self, data, size, t)
-        taken += ok
-        return ok
-
-    Run.on_plain = counted  # type: ignore[method-assign]
-    try:
+    with _fast_reads() as taken:
         fast = _read(reads, fast_adapter, closed_at_end, limit)
-    finally:
-        Run.on_plain = real  # type: ignore[method-assign]
     slow = _read(reads, slow_adapter, closed_at_end, limit)
-    return fast, slow, taken
+    return fast, slow, taken[0]
 
 
 def _split(stream: bytes, cuts: list[int]) -> list[bytes]:
@@ -369,33 +382,14 @@ def test_any_stream_reads_the_same_on_both_paths(
 
 def test_the_fast_path_is_off_when_a_cancel_is_asked() -> None:
     """Cancelling at the first token or after N tokens reads on the general path (its
-    checks run per event there)."""
-    body = b"".join(
-        _chunk(b"data: %s\n\n" % _token(n, "openai-completions"), 0) for n in range(1, 6)
-    )
-    calls = 0
-    real = Run.on_plain
-
-    def counted(self: Run, data: bytes, size: int, t: int) -> bool:
-        nonlocal calls
-        calls += 1
-        return real(self, data, size, t)
-
-    Run.on_plain = counted  # type: ignore[method-assign]
-    try:
-        out = Outcome("r")
-        run = Run(OpenAIAdapter(False), out, FakeClock(), True)
-        conn, _ = wire(("/v1/completions", [("Host", "x"), ("Content-Length", "2")], b"{}"))
-        ns: dict[str, int | None] = {"t0": 1, "t1": 2, "t2": None, "t6": None}
-        rd = Reads(run, ns, Timeouts(), 10**18, False)
-        gen = respond(conn, rd, 3)
-        next(gen)
-        with pytest.raises(Fail) as failed:
-            for i, data in enumerate([HEAD, body]):
-                rd.took(data, False, 10 * (i + 1), None)
-                gen.send((data, False))
-        assert failed.value.error_class == "cancelled"
-        assert len(out.token_events) == 3
-    finally:
-        Run.on_plain = real  # type: ignore[method-assign]
-    assert calls == 0
+    checks run per event there): one read per chunk, which the fast path would take."""
+    reads = [HEAD]
+    reads += [_chunk(b"data: %s\n\n" % _token(n, "openai-completions"), 0) for n in range(1, 6)]
+    with _fast_reads() as taken:
+        verdict, out = _read(reads, OpenAIAdapter(False), cancel=3)
+        assert verdict[:2] == ("fail", "cancelled")
+        assert len(out["token_events"]) == 3
+    assert taken == [0]
+    with _fast_reads() as taken:
+        verdict, _ = _read(reads, OpenAIAdapter(False))
+    assert verdict == ("more",) and taken == [4]  # the same reads, no cancel: fast
