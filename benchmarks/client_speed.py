@@ -9,8 +9,9 @@ records its own send times. Each client runs alone, pinned to core 0:
   --headless --arrival poisson --rate R --protocol openai-completions ...` (closed loop:
   `--arrival closed -u C`), its figures read from its run folder; then
   `calculet-load analyze` on that folder: its own verdict (exit 3 = the client says the
-  point is beyond its capacity). `--io-engine gevent,thread` runs it once per I/O engine
-  (`calculet` = gevent, `calculet:thread` = measure.engine's thread), side by side.
+  point is beyond its capacity). It runs on the default I/O engine (`thread`); with
+  `--io-engine gevent,thread` once per engine, side by side. The client's name says which
+  (`calculet:thread`, `calculet:gevent`).
 - `reference`: benchmarks/ref_client.py (asyncio + uvloop when installed, stamps at the
   byte's arrival, nothing else).
 - `--peers`: inference-perf in its own venv (installed on first use under
@@ -51,6 +52,8 @@ from typing import Any
 
 import numpy as np
 import psutil
+
+from calculet_load.measure.engine import DEFAULT_IO_ENGINE
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -227,7 +230,7 @@ def run_calculet(
     tmp: Path,
     core: int | None,
     tree: Path = REPO,
-    engine: str = "gevent",
+    engine: str = DEFAULT_IO_ENGINE,
 ) -> None:
     """calculet-load's Locust user, from this checkout or another one (`tree`: a
     baseline, e.g. `git archive COMMIT | tar -x -C DIR`), as a user runs it, on the I/O
@@ -244,7 +247,7 @@ def run_calculet(
         "--max-tokens", "64", "--run-dir", str(run_dir), "--only-summary",
         "--max-in-flight", "4096", "-t", f"{seconds + 3:g}s", "--stop-timeout", "5",
     ]  # fmt: skip
-    if engine != "gevent":
+    if tree == REPO:
         cmd += ["--io-engine", engine]
     if p.mode == "poisson":
         cmd += ["--arrival", "poisson", "--rate", str(p.level), "-u", "1", "-r", "1"]
@@ -462,7 +465,7 @@ MEANING = """\
 
 def engine_client(engine: str) -> str:
     """The client name of calculet-load on one I/O engine."""
-    return "calculet" if engine == "gevent" else f"calculet:{engine}"
+    return f"calculet:{engine}"
 
 
 def summary(name: str, points: list[Point]) -> None:
@@ -504,9 +507,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--io-engine",
-        default="gevent",
-        help="calculet-load's I/O engines, comma-separated (gevent,thread): each runs as "
-        "its own client, 'calculet' (gevent) and 'calculet:thread', side by side",
+        default=DEFAULT_IO_ENGINE,
+        help="calculet-load's I/O engines, comma-separated (thread,gevent; default: "
+        f"{DEFAULT_IO_ENGINE}, Locust's): each runs as its own client, 'calculet:thread' "
+        "and 'calculet:gevent', side by side",
     )
     ap.add_argument("--no-pin", action="store_true", help="do not pin server and client")
     ap.add_argument("--json", help="also write every point as JSON to this file")
@@ -557,7 +561,7 @@ def main() -> None:
                     p = Point(client, mode, level, load=os.getloadavg()[0])
                     server.truth()  # forget anything left over
                     if client.startswith("calculet"):
-                        engine = client.partition(":")[2] or "gevent"
+                        engine = client.partition(":")[2] or DEFAULT_IO_ENGINE
                         run_calculet(server, p, args.seconds, tmp, client_core, engine=engine)
                     elif client == "baseline":
                         tree = Path(args.baseline_tree).resolve()

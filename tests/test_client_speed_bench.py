@@ -45,10 +45,10 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     points = json.loads(out.read_text())
     assert [(p["client"], p["mode"], p["level"]) for p in points] == [
         ("reference", "poisson", 20.0),
-        ("calculet", "poisson", 20.0),
+        ("calculet:gevent", "poisson", 20.0),
         ("calculet:thread", "poisson", 20.0),
         ("reference", "closed", 4.0),
-        ("calculet", "closed", 4.0),
+        ("calculet:gevent", "closed", 4.0),
         ("calculet:thread", "closed", 4.0),
     ]
     for p in points:

@@ -71,7 +71,7 @@ from calculet_load.locust.worker import (
     _mix,
     options,
 )
-from calculet_load.measure.engine import IO_ENGINES
+from calculet_load.measure.engine import DEFAULT_IO_ENGINE, IO_ENGINES
 from calculet_load.measure.prompts import WorkloadError
 from calculet_load.measure.sink import sink_status
 from calculet_load.schema.access import AccessError, access_from, add_access_arguments
@@ -135,10 +135,11 @@ def _add_options(parser: Any) -> None:
     opt("--accuracy-ms", type=float, default=BUDGET_MS, env_var="LOCUST_ACCURACY_MS",
         help="the run's timing budget: a cell whose read wait or send lag P99 passes it is "
         "named and the run exits 3")  # fmt: skip
-    opt("--io-engine", choices=IO_ENGINES, default="gevent", env_var="LOCUST_IO_ENGINE",
-        help="where the timing-critical socket I/O runs: gevent (the users' greenlets) or "
-        "thread (one asyncio/uvloop thread per worker process, sending each open-loop "
-        "arrival at its intended time; docs/measurement.md)")  # fmt: skip
+    opt("--io-engine", choices=IO_ENGINES, default=DEFAULT_IO_ENGINE, env_var="LOCUST_IO_ENGINE",
+        help="where the timing-critical socket I/O runs: thread (the default: one "
+        "asyncio/uvloop thread per worker process, sending each open-loop arrival at its "
+        "intended time) or gevent (the users' greenlets; token-event listeners called as "
+        "events arrive); docs/measurement.md")  # fmt: skip
     opt("--burst-size", type=int, default=8, help="burst: requests fired at one instant")
     opt("--burst-every", type=float, default=0.0, help="burst: period in s (0: one burst)")
     opt("--burst-lead", type=float, default=1.0, help="burst: announce this many s ahead")

@@ -32,6 +32,7 @@ from calculet_load.locust.accuracy import Accuracy
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
+from calculet_load.measure.engine import DEFAULT_IO_ENGINE
 from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
@@ -158,7 +159,7 @@ class Worker:
             timeouts=Timeouts.within(timeout),
             sink=self.sink,
             prompt_reuse=bool(self.opts.prompt_reuse),
-            io_engine=str(getattr(self.opts, "io_engine", "gevent")),
+            io_engine=str(getattr(self.opts, "io_engine", DEFAULT_IO_ENGINE)),
         )
         self.session.hooks.append(self._on_record)
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))

@@ -29,7 +29,12 @@ from calculet_load.measure.client import (
     execute,
 )
 from calculet_load.measure.durations import durations
-from calculet_load.measure.engine import IO_ENGINES, EnginePool, execute_threaded
+from calculet_load.measure.engine import (
+    DEFAULT_IO_ENGINE,
+    IO_ENGINES,
+    EnginePool,
+    execute_threaded,
+)
 from calculet_load.measure.prompts import Prompt, nonce_salt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.sink import PartSink
@@ -289,7 +294,7 @@ class Session:
         output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
         prompt_reuse: bool = False,
         count_text: Callable[[str], int] | None = None,
-        io_engine: str = "gevent",
+        io_engine: str = DEFAULT_IO_ENGINE,
     ) -> None:
         if io_engine not in IO_ENGINES:
             raise ValueError(f"io_engine {io_engine!r}: one of {', '.join(IO_ENGINES)}")
