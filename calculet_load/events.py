@@ -2,7 +2,10 @@
 
 Listeners are plain callables. Firing an event nobody listens to costs one truth test,
 so the per-token hooks can stay on in every run. Listeners run on the worker's event
-loop between reads: keep them in microseconds (count, bucket, enqueue), never block.
+loop (the request's greenlet): keep them in microseconds (count, bucket, enqueue), never
+block. When the token events fire depends on the I/O engine (`--io-engine`): on `thread`
+(the default) a request's token events fire together when it ends, with their arrival
+stamps; on `gevent` each fires between reads, as it arrives.
 
     from calculet_load.events import events
 

@@ -29,6 +29,7 @@ import gevent.ssl as gssl
 from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
+from calculet_load.measure.biotls import BioTLS
 from calculet_load.measure.protocols import Adapter
 from calculet_load.measure.response import (
     CMSG_SPACE,
@@ -196,7 +197,7 @@ class ConnectionPool:
 
 def _alive(sock: socket.socket) -> bool:
     """An idle keep-alive connection is reusable if it has nothing to read (no EOF)."""
-    if isinstance(sock, ssl.SSLSocket):
+    if isinstance(sock, (ssl.SSLSocket, BioTLS)):
         # no MSG_PEEK through TLS: anything readable (a close_notify, EOF, stray bytes)
         # means the connection is not reusable
         if sock.pending():

@@ -1,3 +1,4 @@
+# size: the thread I/O engine, one concept: its loop thread, pool, reads and request steps
 """The thread I/O engine: a request's socket I/O in one dedicated thread per process.
 
 The thread runs an asyncio loop (uvloop when installed); the caller, a greenlet (a Locust
@@ -34,6 +35,7 @@ import gevent.event
 from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
+from calculet_load.measure.biotls import BioTLS
 from calculet_load.measure.client import ConnectionPool, Endpoint, stale
 from calculet_load.measure.protocols import Adapter
 from calculet_load.measure.response import (
@@ -207,10 +209,10 @@ class EnginePool(ConnectionPool):
                 ask_kernel_stamps(sock)
             else:
                 # the handshake (and verification) within the connect timeout
-                sock = tls.wrap_socket(
-                    sock, server_hostname=self.endpoint.host, do_handshake_on_connect=False
-                )
-                await asyncio.wait_for(_handshake(loop, sock), deadline - time.monotonic())
+                conn = BioTLS(sock, tls, self.endpoint.host)
+                await asyncio.wait_for(_handshake(loop, conn), deadline - time.monotonic())
+                # the pool and the reads take it for a socket (the part they use)
+                sock = conn  # type: ignore[assignment]
         except BaseException:
             self.open -= 1
             if sock is not None:
@@ -260,7 +262,7 @@ async def _ready(
             timer.cancel()
 
 
-async def _handshake(loop: asyncio.AbstractEventLoop, sock: ssl.SSLSocket) -> None:
+async def _handshake(loop: asyncio.AbstractEventLoop, sock: BioTLS) -> None:
     while True:
         try:
             sock.do_handshake()
@@ -282,6 +284,9 @@ async def _send_all(
             await _ready(loop, sock.fileno(), True, timeout_s)
         except ssl.SSLWantReadError:
             await _ready(loop, sock.fileno(), False, timeout_s)
+    if isinstance(sock, BioTLS):  # the last TLS bytes the socket did not take yet
+        while not sock.flush():
+            await _ready(loop, sock.fileno(), True, timeout_s)
 
 
 async def _until(loop: asyncio.AbstractEventLoop, at_ns: int) -> None:
@@ -307,7 +312,7 @@ class _Response(Reads):
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Any, run: Run,
         ns: dict[str, int | None], timeouts: Timeouts, deadline: int, cancel: CancelAt,
     ) -> None:  # fmt: skip
-        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.tls = isinstance(sock, BioTLS)
         stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock and not self.tls
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.loop, self.sock, self.clock, self.fd = loop, sock, run.clock, sock.fileno()

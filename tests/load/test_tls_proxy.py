@@ -200,6 +200,44 @@ def test_openai_base_path_with_v1(stack: tuple[SimProcess, Nginx, Pki], engine: 
     assert out.output_tokens == 8
 
 
+# One request per engine through the proxy in a process gevent has monkey-patched, as
+# Locust's are: the thread engine's TLS must not go through the patched ssl module's
+# SSLSocket (measure.biotls says why); run in a subprocess, the patching is for good.
+_PATCHED = """
+import gevent.monkey
+gevent.monkey.patch_all()
+import json, sys
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.prompts import PromptFactory, http_tokenizer
+from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.schema.access import TargetAccess
+access = TargetAccess(sys.argv[1], ca_file=sys.argv[2], api_key_env="CALCULET_TEST_KEY")
+prompt = PromptFactory(http_tokenizer(access), mode="ids").prompt(16, 0)
+session = Session(RunContext("tls-patched", "w00"), access, "llama", io_engine=sys.argv[3])
+spec = RequestSpec(prompt=prompt, max_tokens=6, cell="patched")
+outs = run_in_greenlet(lambda: [session.send(spec)[1] for _ in range(3)])
+session.close()
+print(json.dumps([[o.error_class, o.error_detail, o.output_tokens, o.stamp_source,
+                   o.connection_reused] for o in outs]))
+"""
+
+
+@pytest.mark.parametrize("io_engine", ["gevent", "thread"])
+def test_tls_in_a_monkey_patched_process(
+    stack: tuple[SimProcess, Nginx, Pki], io_engine: str
+) -> None:
+    _, proxy, pki = stack
+    done = subprocess.run(
+        [sys.executable, "-c", _PATCHED, proxy.url("/llm"), str(pki.ca_file), io_engine],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    outs = json.loads(done.stdout.splitlines()[-1])
+    # three whole streams over one kept-alive TLS connection, each read stamped on return
+    assert [o[:4] for o in outs] == [[None, None, 6, "read"]] * 3, outs
+    assert [o[4] for o in outs] == [False, True, True], outs
+
+
 def test_wrong_key_bad_certificate_and_wrong_path_are_classified(
     stack: tuple[SimProcess, Nginx, Pki], monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:

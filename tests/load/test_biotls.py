@@ -1,0 +1,163 @@
+"""measure.biotls against the standard library's own TLS server (a blocking SSLSocket in
+a thread, on loopback): what the socket did not take is sent later, a whole response
+arrives in order, the peer's close reads as b"", and a certificate nobody vouches for
+fails the handshake with ssl's own verification error."""
+
+from __future__ import annotations
+
+import select
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from calculet_load.measure.biotls import BioTLS
+from tests.load.tlsproxy import Pki, make_pki
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("biotls"))
+
+
+def _server(pki: Pki, handle: Callable[[ssl.SSLSocket], None]) -> Iterator[int]:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki.cert_file, pki.key_file)
+    listener = socket.create_server(("127.0.0.1", 0))
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        try:
+            with ctx.wrap_socket(conn, server_side=True) as tls:
+                handle(tls)
+        except (ssl.SSLError, OSError) as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    thread.join(20)
+    listener.close()
+
+
+def _connect(port: int, ca_file: Path, sndbuf: int | None = None) -> BioTLS:
+    sock = socket.create_connection(("127.0.0.1", port))
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    sock.setblocking(False)
+    ctx = ssl.create_default_context(cafile=str(ca_file))
+    return BioTLS(sock, ctx, "localhost")
+
+
+def _wait(conn: BioTLS, write: bool) -> None:
+    r, w = ([], [conn.fileno()]) if write else ([conn.fileno()], [])
+    assert select.select(r, w, [], 10) != ([], [], []), "the socket never became ready"
+
+
+def _handshake(conn: BioTLS) -> None:
+    while True:
+        try:
+            conn.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            _wait(conn, False)
+        except ssl.SSLWantWriteError:
+            _wait(conn, True)
+
+
+def _drain(conn: BioTLS) -> bytes:
+    """What can be read now without waiting."""
+    got = bytearray()
+    while True:
+        try:
+            data = conn.recv(65536)
+        except ssl.SSLWantReadError:
+            return bytes(got)
+        assert data, "EOF"
+        got += data
+
+
+def _recv_all(conn: BioTLS, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        try:
+            data = conn.recv(65536)
+        except ssl.SSLWantReadError:
+            _wait(conn, False)
+            continue
+        assert data, f"EOF after {len(got)} of {n} bytes"
+        got += data
+    return bytes(got)
+
+
+def test_a_large_write_is_sent_whole_and_its_echo_read_back(pki: Pki) -> None:
+    size = 4 * 1024 * 1024
+    payload = bytes(range(256)) * (size // 256)
+
+    def echo(tls: ssl.SSLSocket) -> None:
+        left = size
+        while left:
+            data = tls.recv(65536)
+            if not data:
+                return
+            tls.sendall(data)
+            left -= len(data)
+
+    for port in _server(pki, echo):
+        conn = _connect(port, pki.ca_file, sndbuf=4096)  # the socket takes little at a time
+        _handshake(conn)
+        view = memoryview(payload)
+        deferred = 0
+        got = bytearray()
+        while view or not conn.flush():
+            if view:
+                try:
+                    view = view[conn.send(view[:65536]) :]
+                    continue
+                except (ssl.SSLWantWriteError, BlockingIOError):
+                    pass
+            deferred += 1
+            got += _drain(conn)  # the echo comes back meanwhile: take it, or both stall
+            fd = conn.fileno()
+            select.select([fd], [fd], [], 10)
+        got += _recv_all(conn, size - len(got))
+        conn.close()
+        assert deferred > 0  # the path where the socket did not take everything ran
+        assert bytes(got) == payload
+
+
+def test_the_peers_close_reads_as_the_end(pki: Pki) -> None:
+    def answer(tls: ssl.SSLSocket) -> None:
+        assert tls.recv(100) == b"ping"
+        tls.sendall(b"pong")
+        tls.unwrap()  # a close_notify, then the TCP close
+
+    for port in _server(pki, answer):
+        conn = _connect(port, pki.ca_file)
+        _handshake(conn)
+        assert conn.send(b"ping") == 4 and conn.flush()
+        assert _recv_all(conn, 4) == b"pong"
+        for _ in range(100):  # the close_notify reads as b"" (not an error)
+            try:
+                assert conn.recv(100) == b""
+                break
+            except ssl.SSLWantReadError:
+                _wait(conn, False)
+        else:
+            raise AssertionError("no end of stream")
+        assert conn.pending() == 0
+        conn.close()
+
+
+def test_an_untrusted_certificate_fails_verification(pki: Pki) -> None:
+    for port in _server(pki, lambda tls: None):
+        conn = _connect(port, pki.other_ca_file)
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _handshake(conn)
+        conn.close()
