@@ -8,6 +8,11 @@ fails with "super(type, obj): obj must be an instance or subtype of type". An SS
 never touches a socket: this class moves the bytes between the socket and the BIOs
 itself, the same in a patched process and an unpatched one.
 
+Its reads of the socket can carry the kernel's receive time (`cmsg_space`: recvmsg with
+SO_TIMESTAMPNS asked for on the socket): `take_stamp` gives the control messages of the
+last read that brought bytes, so the plaintext those bytes completed is stamped with
+their arrival, as a plain connection's reads are (measure.response `Reads.receive`).
+
 It has the part of SSLSocket's non-blocking interface the engine uses: `do_handshake`,
 `send`, `recv` and `pending` raise `ssl.SSLWantReadError` / `SSLWantWriteError` (or
 BlockingIOError) where a non-blocking SSLSocket would, `recv` returns b"" at the end of
@@ -26,13 +31,30 @@ _READ = 65536
 class BioTLS:
     """One TLS client connection on `sock` (connected, non-blocking)."""
 
-    __slots__ = ("_in", "_obj", "_out", "_unsent", "sock")
+    __slots__ = ("_anc", "_in", "_obj", "_out", "_unsent", "cmsg_space", "sock")
 
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str):
+    def __init__(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        server_hostname: str,
+        cmsg_space: int = 0,
+    ) -> None:
         self.sock = sock
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._obj = context.wrap_bio(self._in, self._out, server_hostname=server_hostname)
         self._unsent = b""  # TLS bytes written by the object, not yet taken by the socket
+        self.cmsg_space = cmsg_space  # > 0: read with recvmsg, keep the control messages
+        self._anc: list[tuple[int, int, bytes]] = []
+
+    @property
+    def stamped(self) -> bool:
+        return self.cmsg_space > 0
+
+    def take_stamp(self) -> list[tuple[int, int, bytes]]:
+        """The control messages of the last read that brought bytes since the last call."""
+        anc, self._anc = self._anc, []
+        return anc
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -65,7 +87,13 @@ class BioTLS:
 
     def _fill(self) -> bool:
         """Read what the socket holds into the TLS object; False at the peer's end."""
-        data = self.sock.recv(_READ)  # BlockingIOError: nothing yet
+        # BlockingIOError: nothing yet
+        if self.cmsg_space:
+            data, anc, _, _ = self.sock.recvmsg(_READ, self.cmsg_space)
+            if data:
+                self._anc = anc
+        else:
+            data = self.sock.recv(_READ)
         if not data:
             self._in.write_eof()
             return False

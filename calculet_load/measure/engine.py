@@ -204,12 +204,12 @@ class EnginePool(ConnectionPool):
             deadline = time.monotonic() + connect_timeout
             await asyncio.wait_for(loop.sock_connect(sock, sockaddr), connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # over TLS too: its records come in plain reads of this socket (measure.biotls)
+            ask_kernel_stamps(sock)
             tls = self.endpoint.plain_tls()
-            if tls is None:
-                ask_kernel_stamps(sock)
-            else:
+            if tls is not None:
                 # the handshake (and verification) within the connect timeout
-                conn = BioTLS(sock, tls, self.endpoint.host)
+                conn = BioTLS(sock, tls, self.endpoint.host, CMSG_SPACE)
                 await asyncio.wait_for(_handshake(loop, conn), deadline - time.monotonic())
                 # the pool and the reads take it for a socket (the part they use)
                 sock = conn  # type: ignore[assignment]
@@ -313,7 +313,8 @@ class _Response(Reads):
         ns: dict[str, int | None], timeouts: Timeouts, deadline: int, cancel: CancelAt,
     ) -> None:  # fmt: skip
         self.tls = isinstance(sock, BioTLS)
-        stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock and not self.tls
+        stamped = sock.stamped if isinstance(sock, BioTLS) else CMSG_SPACE > 0
+        stamps = stamped and type(run.clock) is SystemClock
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.loop, self.sock, self.clock, self.fd = loop, sock, run.clock, sock.fileno()
         self.fut: asyncio.Future[bool] = loop.create_future()
@@ -378,6 +379,9 @@ class _Response(Reads):
                 self.out.unanswered = not self.first
                 raise Fail("connection_reset", str(exc)) from None
             self.gen.send((data, closed))
+            if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+                # decrypted or undecrypted bytes the socket's readiness will not announce
+                self.loop.call_soon(self._on_readable)
             if fresh or self.returned >= self.deadline:
                 self._arm()  # the first bytes end the first-byte wait; past the deadline
             else:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import h11
 
 from calculet_load.clock import Clock
+from calculet_load.measure.biotls import BioTLS
 from calculet_load.measure.chunked import ChunkedDecoder
 from calculet_load.measure.protocols import (
     Adapter,
@@ -607,7 +608,7 @@ class Reads:
         the read's own time: see `took`)."""
         floor = self.begin()
         kernel = None
-        if self.stamps:
+        if self.stamps and not tls:
             data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
             t = clock.mono_ns()  # stamp at the byte, before any parsing
             kernel = kernel_ns(anc, t, clock.wall_ns(), floor)
@@ -617,6 +618,11 @@ class Reads:
         closed = False
         if data and tls:
             data, closed = tls_drain(sock, data)  # type: ignore[arg-type]
+            if self.stamps and isinstance(sock, BioTLS):
+                # the TLS records' own reads carried the kernel's time: that of the last
+                # one, which completed what was decrypted (the read's time is after it)
+                t = clock.mono_ns()
+                kernel = kernel_ns(sock.take_stamp(), t, clock.wall_ns(), floor)
         return data, closed, self.took(data, closed, t, kernel)
 
     def took(self, data: bytes, closed: bool, t: int, kernel: int | None) -> bool:

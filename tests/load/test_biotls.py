@@ -1,7 +1,8 @@
 """measure.biotls against the standard library's own TLS server (a blocking SSLSocket in
 a thread, on loopback): what the socket did not take is sent later, a whole response
-arrives in order, the peer's close reads as b"", and a certificate nobody vouches for
-fails the handshake with ssl's own verification error."""
+arrives in order, the peer's close reads as b"", a certificate nobody vouches for fails
+the handshake with ssl's own verification error, and a record read late carries the
+kernel's receive time of its bytes, not the time of the late read."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from calculet_load.measure.biotls import BioTLS
+from calculet_load.measure.response import CMSG_SPACE, ask_kernel_stamps, kernel_ns
 from tests.load.tlsproxy import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,6 +36,9 @@ def _server(pki: Pki, handle: Callable[[ssl.SSLSocket], None]) -> Iterator[int]:
 
     def serve() -> None:
         conn, _ = listener.accept()
+        # no Nagle: a small record right after the session tickets would otherwise wait
+        # for the client's delayed ACK (40 ms), and the kernel stamps say so
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             with ctx.wrap_socket(conn, server_side=True) as tls:
                 handle(tls)
@@ -46,13 +52,15 @@ def _server(pki: Pki, handle: Callable[[ssl.SSLSocket], None]) -> Iterator[int]:
     listener.close()
 
 
-def _connect(port: int, ca_file: Path, sndbuf: int | None = None) -> BioTLS:
+def _connect(port: int, ca_file: Path, sndbuf: int | None = None, stamps: bool = False) -> BioTLS:
     sock = socket.create_connection(("127.0.0.1", port))
     if sndbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    if stamps:
+        ask_kernel_stamps(sock)
     sock.setblocking(False)
     ctx = ssl.create_default_context(cafile=str(ca_file))
-    return BioTLS(sock, ctx, "localhost")
+    return BioTLS(sock, ctx, "localhost", CMSG_SPACE if stamps else 0)
 
 
 def _wait(conn: BioTLS, write: bool) -> None:
@@ -161,3 +169,29 @@ def test_an_untrusted_certificate_fails_verification(pki: Pki) -> None:
         with pytest.raises(ssl.SSLCertVerificationError):
             _handshake(conn)
         conn.close()
+
+
+@pytest.mark.skipif(CMSG_SPACE == 0, reason="no SO_TIMESTAMPNS on this platform")
+def test_a_record_read_late_carries_its_arrival_time(pki: Pki) -> None:
+    sent: list[int] = []
+
+    def answer(tls: ssl.SSLSocket) -> None:
+        assert tls.recv(100) == b"ping"
+        tls.sendall(b"pong")
+        sent.append(time.monotonic_ns())  # the record is in the client's kernel by now
+        tls.recv(100)  # until the client closes
+
+    for port in _server(pki, answer):
+        conn = _connect(port, pki.ca_file, stamps=True)
+        _handshake(conn)
+        assert conn.send(b"ping") == 4 and conn.flush()
+        _wait(conn, False)
+        time.sleep(0.1)  # a busy client: the record waits in the kernel for 100 ms
+        assert _recv_all(conn, 4) == b"pong"
+        read_ns, wall_ns = time.monotonic_ns(), time.time_ns()
+        kernel = kernel_ns(conn.take_stamp(), read_ns, wall_ns, 0)
+        conn.close()
+        assert kernel is not None
+        # within a few ms of the server's write, though it was read 100 ms later
+        assert -1_000_000 < sent[0] - kernel < 5_000_000, (sent[0] - kernel) / 1e6
+        assert read_ns - kernel > 90_000_000, (read_ns - kernel) / 1e6
