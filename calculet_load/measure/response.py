@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator
 from typing import Any, Literal
 
 import h11
+import msgspec
 
 from calculet_load.clock import Clock
 from calculet_load.measure.biotls import BioTLS
@@ -452,7 +453,14 @@ def prepare(
     extra_headers: dict[str, str] | None,
 ) -> tuple[str, list[tuple[str, str]], bytes]:
     """The request's target, headers and payload (an h11 Request for either engine)."""
-    payload = json.dumps(body, separators=(",", ":")).encode()
+    # msgspec: 1.9 µs against json's 22 µs for a 128-id prompt's body, once per request on
+    # the worker's main thread; the same bytes for ASCII, non-ASCII text as UTF-8 rather
+    # than \u escapes (the same JSON string to the server). A lone surrogate (a corpus's
+    # "\ud800") has no UTF-8: json's escape sends it as it came.
+    try:
+        payload = _ENCODE(body)
+    except UnicodeEncodeError:
+        payload = json.dumps(body, separators=(",", ":")).encode()
     # the target's own headers (--header, the API key), then the call's, replace ours
     extra = [*endpoint.headers, *(extra_headers or {}).items()]
     given = {name.lower() for name, _ in extra}
@@ -732,6 +740,7 @@ def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
 
 # A whole chunk of one SSE event of one `data: ` line: a plain size line (hex digits, no
 # extension), the line, the blank line, the chunk's CRLF. Its size must match (`_chunked`).
+_ENCODE = msgspec.json.Encoder().encode
 _PLAIN_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,20})\r\ndata: ([^\r\n]*)\n\n\r\n")
 
 

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from calculet_load.measure.client import Endpoint
 from calculet_load.measure.protocols import CountState, ProtocolError, adapter_for
+from calculet_load.measure.response import prepare
 
 CHAT = adapter_for("openai-chat")
 COMPLETIONS = adapter_for("openai-completions")
@@ -142,3 +144,22 @@ def test_bodies_ask_for_usage_on_every_chunk_and_exact_ids() -> None:
     assert llama["n_predict"] == 2 and llama["cache_prompt"] is False and "seed" not in llama
     with pytest.raises(ValueError, match="text prompt"):
         CHAT.body([1], 1, stream=True, model=None, temperature=0, seed=None, ignore_eos=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "same_bytes"),
+    [
+        (list(range(1000, 1128)), True),  # token ids: the bytes json writes
+        ("plain words " * 40, True),
+        ("caf\u00e9 \u6f22\u5b57 \U0001f600", False),  # UTF-8 on the wire, not \u escapes
+        ("lone \ud800 surrogate", True),  # no UTF-8 for it: json's escape, as before
+    ],
+)
+def test_the_request_body_is_the_same_json(prompt: object, same_bytes: bool) -> None:
+    a = adapter_for("openai-completions")
+    body = a.body(prompt, 64, stream=True, model="m", temperature=0.7, seed=3,  # type: ignore[arg-type]
+                  ignore_eos=True)  # fmt: skip
+    _, headers, payload = prepare(Endpoint("http://127.0.0.1:9"), a, body, "r-1", True, None)
+    assert json.loads(payload) == body
+    assert (payload == json.dumps(body, separators=(",", ":")).encode()) is same_bytes
+    assert dict(headers)["Content-Length"] == str(len(payload))
