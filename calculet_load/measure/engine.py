@@ -61,9 +61,9 @@ from calculet_load.schema.records import TokenEvent
 
 T = TypeVar("T")
 IO_ENGINES = ("gevent", "thread")
-# Every run's unless told otherwise (`--io-engine`, `Session(io_engine=...)`): measured
-# with less CPU per request and smaller timing errors than gevent at every point of
-# benchmarks/client_speed.py since stop 24 (docs/measurement.md, "The I/O engines").
+# Every run's unless told otherwise (`--io-engine`, `Session(io_engine=...)`): 25-40 %
+# less CPU per request than gevent at every point of benchmarks/client_speed.py, and TTFT
+# p99 within 1 ms up to twice gevent's rate (docs/measurement.md, "The I/O engines").
 DEFAULT_IO_ENGINE = "thread"
 # the standard library's, whatever gevent's monkey-patching replaced (Locust patches all):
 # a real thread, real locks and sockets the loop waits on itself

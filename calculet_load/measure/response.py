@@ -444,6 +444,9 @@ class PoolExhausted(Exception):
     pass
 
 
+_ENCODE = msgspec.json.Encoder().encode  # a request's JSON body (`prepare`)
+
+
 def prepare(
     endpoint: Any,
     adapter: Adapter,
@@ -740,7 +743,6 @@ def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
 
 # A whole chunk of one SSE event of one `data: ` line: a plain size line (hex digits, no
 # extension), the line, the blank line, the chunk's CRLF. Its size must match (`_chunked`).
-_ENCODE = msgspec.json.Encoder().encode
 _PLAIN_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,20})\r\ndata: ([^\r\n]*)\n\n\r\n")
 
 
