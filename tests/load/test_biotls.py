@@ -6,6 +6,8 @@ kernel's receive time of its bytes, not the time of the late read."""
 
 from __future__ import annotations
 
+import functools
+import json
 import select
 import socket
 import ssl
@@ -17,7 +19,17 @@ from pathlib import Path
 import pytest
 
 from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.response import CMSG_SPACE, ask_kernel_stamps, kernel_ns
+from calculet_load.measure.client import Endpoint, run_in_greenlet
+from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure.protocols import adapter_for
+from calculet_load.measure.response import (
+    CMSG_SPACE,
+    Outcome,
+    Timeouts,
+    ask_kernel_stamps,
+    kernel_ns,
+)
+from calculet_load.schema.access import TargetAccess
 from tests.load.tlsproxy import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +55,9 @@ def _server(pki: Pki, handle: Callable[[ssl.SSLSocket], None]) -> Iterator[int]:
             with ctx.wrap_socket(conn, server_side=True) as tls:
                 handle(tls)
         except (ssl.SSLError, OSError) as exc:
-            errors.append(exc)
+            errors.append(exc)  # the untrusted certificate's handshake fails here
+        finally:
+            conn.close()  # a failed handshake leaves it open
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -195,3 +209,63 @@ def test_a_record_read_late_carries_its_arrival_time(pki: Pki) -> None:
         # within a few ms of the server's write, though it was read 100 ms later
         assert -1_000_000 < sent[0] - kernel < 5_000_000, (sent[0] - kernel) / 1e6
         assert read_ns - kernel > 90_000_000, (read_ns - kernel) / 1e6
+
+
+def test_the_engine_reads_a_large_body_left_in_the_tls_buffers(pki: Pki) -> None:
+    """A read takes at most 256 KiB of plaintext (measure.response `tls_drain`); what the
+    TLS object already holds then is announced by no readiness of the socket when the
+    whole response has arrived. The engine reads it at once (it looks at `pending()`
+    after each read), rather than waiting for the idle timeout: bodies around that size
+    over one kept-alive connection all complete, each in well under a second."""
+    sizes = [250_000 + 9_000 * i for i in range(12)]  # 250-349 KB: the cap's edges
+
+    def serve(tls: ssl.SSLSocket) -> None:
+        for n in sizes:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += tls.recv(65536)
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += tls.recv(65536)
+            text = "w" * n
+            answer = json.dumps(
+                {"id": "b", "object": "text_completion", "model": "m",
+                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}}
+            ).encode()  # fmt: skip
+            tls.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer)
+            )
+        tls.recv(100)  # the connection stays open until the client closes it
+
+    for port in _server(pki, serve):
+        took = _ask_one_by_one(port, pki.ca_file, len(sizes))
+        assert max(took) < 2.0, took
+
+
+def _ask_one_by_one(port: int, ca_file: Path, n: int) -> list[float]:
+    """`n` non-streamed requests in turn on the engine, over one TLS connection to
+    `port`: how long each took (s); each must succeed."""
+    access = TargetAccess(f"https://localhost:{port}", ca_file=str(ca_file))
+    pool = EnginePool(Endpoint(access), 4)
+    adapter = adapter_for("openai-completions")
+    body = adapter.body([1, 2, 3, 4], 8, stream=False, model="m", temperature=0.0,
+                        seed=None, ignore_eos=True)  # fmt: skip
+    timeouts = Timeouts(idle_s=20.0)
+
+    def one(i: int) -> Outcome:
+        return execute_threaded(pool, adapter, body, f"big-{i}", stream=False, timeouts=timeouts)
+
+    took = []
+    try:
+        for i in range(n):
+            start = time.monotonic()
+            out = run_in_greenlet(functools.partial(one, i))
+            took.append(time.monotonic() - start)
+            assert out.ok, (i, out.error_class, out.error_detail)
+            assert out.connection_reused == (i > 0)
+    finally:
+        pool.close()
+    return took
