@@ -22,7 +22,8 @@ minus the server's truth at the same percentile, ms), the rate the server counte
 client's CPU (% of its core and µs per request, over the steady middle of the point),
 CPU per request as a ratio to the reference's at the same point of this run, and the
 verdict. Truth: TTFT = first token's write − request read; ITL = gap between writes;
-TPOT = (last − first write)/(n − 1), all on the server's monotonic clock.
+TPOT = (last − first write)/(n − 1), all on the server's monotonic clock. At the end,
+per calculet-load client, issue 18's targets judged on this run's points (`target_lines`).
 
 Usage:
   .venv/bin/python benchmarks/client_speed.py                   # the full sweep (~10 min)
@@ -488,6 +489,54 @@ def summary(name: str, points: list[Point]) -> None:
     )
 
 
+def _figures(points: list[Point], key: str) -> str:
+    return ", ".join(f"{p.label} {p.err.get(key, float('nan')):+.2f}" for p in points)
+
+
+def _check(points: list[Point], key: str, limit: float, what: str, upto: float) -> str:
+    """One target over the points of one mode up to `upto`: met, not met, or not run."""
+    if not points:
+        return f"{what}: not run (no such point in this run)"
+    bad = [p for p in points if not p.err.get(key, float("inf")) <= limit]
+    top = max(p.level for p in points)
+    scope = "" if top >= upto else f" (run only up to {top:g})"
+    verdict = "NOT met" if bad else "met"
+    return f"{what}: {verdict}{scope} ({_figures(points, key)})"
+
+
+def target_lines(points: list[Point]) -> list[str]:
+    """Issue 18's targets for one calculet-load client, judged on this run's points."""
+    poisson = [p for p in points if p.mode == "poisson"]
+    closed = [p for p in points if p.mode == "closed"]
+    lines = [
+        _check([p for p in poisson if p.level <= 80], "ttft_p99", 1.0,
+               "TTFT p99 error <= 1 ms, Poisson up to 80 req/s", 80),
+        _check([p for p in poisson if p.level <= 320], "ttft_p99", BUDGET_MS,
+               f"TTFT p99 error <= {BUDGET_MS:g} ms, Poisson up to 320 req/s", 320),
+        _check([p for p in closed if p.level <= 256], "ttft_p99", BUDGET_MS,
+               f"TTFT p99 error <= {BUDGET_MS:g} ms, closed loop up to 256 streams", 256),
+        _check([p for p in poisson if p.level == 20], "ttft_p50", 0.3,
+               "TTFT p50 error <= 0.3 ms at 20 req/s", 20),
+    ]  # fmt: skip
+    ratios = [p.cpu_ratio for p in points if p.cpu_ratio == p.cpu_ratio]  # not NaN
+    if ratios:
+        verdict = "met" if max(ratios) <= 1.5 else "NOT met"
+        lines.append(
+            f"CPU per request <= 1.5x the reference's: {verdict} "
+            f"({min(ratios):.2f}x to {max(ratios):.2f}x)"
+        )
+    else:
+        lines.append("CPU per request <= 1.5x the reference's: not run (no reference)")
+    beyond = [p for p in points if not p.err.get("ttft_p99", float("inf")) <= BUDGET_MS]
+    silent = [p.label for p in beyond if "FLAGGED" not in p.verdict]
+    lines.append(
+        f"every point beyond {BUDGET_MS:g} ms flagged by its own verdict: "
+        + (f"NOT met ({', '.join(silent)})" if silent else f"met ({len(beyond)} beyond)")
+    )
+    lines.append("the sink's cost per token event: benchmarks/client_capacity.py (Part 2)")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of load per point")
@@ -586,6 +635,10 @@ def main() -> None:
     print(f"  load average at the end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
     for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
         summary(name, [p for p in points if p.client == name])
+    for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
+        print(f"  {name} against issue 18's targets, in this run:")
+        for line in target_lines([p for p in points if p.client == name]):
+            print(f"    {line}")
     print(MEANING)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1))

@@ -42,6 +42,9 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "load average" in done.stdout
+    for name in ("calculet:gevent", "calculet:thread"):  # the issue's targets, judged
+        assert f"{name} against issue 18's targets, in this run:" in done.stdout
+    assert "TTFT p50 error <= 0.3 ms at 20 req/s: " in done.stdout
     points = json.loads(out.read_text())
     assert [(p["client"], p["mode"], p["level"]) for p in points] == [
         ("reference", "poisson", 20.0),
@@ -62,3 +65,38 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     ours = [p for p in points if p["client"].startswith("calculet")]
     assert all(p["cpu_ratio"] > 0 for p in ours), ours
     assert all(p["verdict"].startswith("locust exit ") for p in ours), ours
+
+
+def test_the_targets_are_judged_from_the_points() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import client_speed as cs
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def point(mode: str, level: float, p50: float, p99: float, ratio: float, verdict: str = ""):
+        return cs.Point("calculet:thread", mode, level, err={"ttft_p50": p50, "ttft_p99": p99},
+                        cpu_ratio=ratio, verdict=verdict)  # fmt: skip
+
+    lines = cs.target_lines(
+        [
+            point("poisson", 20, 0.2, 0.5, 1.4),
+            point("poisson", 80, 0.1, 1.5, 1.2),  # over 1 ms at 80 req/s
+            point("poisson", 320, 0.1, 40.0, 1.1, "locust exit 3 FLAGGED"),
+            point("closed", 256, 0.1, 12.0, 1.6),  # beyond 10 ms, and its verdict missed it
+        ]
+    )
+    assert lines[0].startswith("TTFT p99 error <= 1 ms, Poisson up to 80 req/s: NOT met (")
+    assert "80/s +1.50" in lines[0]
+    assert lines[1].startswith("TTFT p99 error <= 10 ms, Poisson up to 320 req/s: NOT met")
+    assert lines[2].startswith("TTFT p99 error <= 10 ms, closed loop up to 256 streams: NOT met")
+    assert lines[3] == "TTFT p50 error <= 0.3 ms at 20 req/s: met (20/s +0.20)"
+    assert lines[4] == "CPU per request <= 1.5x the reference's: NOT met (1.10x to 1.60x)"
+    assert lines[5] == "every point beyond 10 ms flagged by its own verdict: NOT met (C=256)"
+    # a run of fewer points says what it did not cover
+    (first, *_) = cs.target_lines([point("poisson", 40, 0.1, 0.4, 1.0)])
+    assert first == (
+        "TTFT p99 error <= 1 ms, Poisson up to 80 req/s: met (run only up to 40) (40/s +0.40)"
+    )
+    p50_line = cs.target_lines([point("poisson", 40, 0.1, 0.4, 1.0)])[3]
+    assert p50_line.endswith("not run (no such point in this run)"), p50_line
