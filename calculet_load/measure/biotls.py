@@ -120,10 +120,24 @@ class BioTLS:
 
     def send(self, data: bytes | memoryview) -> int:
         """Encrypt `data` and send it; how many of its bytes were taken. Bytes the socket
-        did not take yet are sent first by the next call (or `flush`)."""
+        did not take yet are sent first by the next call (or `flush`). A write that needs
+        the peer's bytes first (a TLS 1.2 renegotiation) takes what the socket holds and
+        tries again, or raises SSLWantReadError until the socket has more."""
         if not self.flush():
             raise ssl.SSLWantWriteError("earlier bytes wait for the socket")
-        taken = self._obj.write(data)
+        while True:
+            try:
+                taken = self._obj.write(data)
+                break
+            except ssl.SSLWantReadError:
+                if not self.flush():
+                    raise ssl.SSLWantWriteError("the TLS bytes wait for the socket") from None
+                try:
+                    more = self._fill()
+                except BlockingIOError:
+                    raise ssl.SSLWantReadError("the write waits for the peer") from None
+                if not more:
+                    raise ssl.SSLEOFError("EOF occurred in violation of protocol") from None
         self.flush()
         return taken
 
