@@ -324,7 +324,13 @@ def test_faults_capacity_and_soak_use_what_llama_cpp_has(
     assert code == 0, out
     assert "queue p99 not available: the llama.cpp target has no traces" in out
     result = json.loads((capacity / "capacity.json").read_text())
-    assert result["stable_max_qps"] == 8, result
+    # 8 (the max rate) on a quiet machine; the figure is llama-server's capacity on the two
+    # cores it shares with the suite, and a fresh-clone run on a loaded machine found 4
+    # unstable (3.875). What the test holds to: a stable rate was found, and a window was
+    # unstable for the server's capacity (backlog, latency), never for failed requests.
+    assert result["stable_max_qps"] is not None and result["stable_max_qps"] > 0, result
+    reasons = [r for w in result["curve"] for r in w["reasons"]]
+    assert not [r for r in reasons if "failed" in r or "no request" in r], reasons
 
     soak = tmp_path / "soak"
     # the client-load gates off (relaxed rules): this machine's load is not the subject

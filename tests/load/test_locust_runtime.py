@@ -64,7 +64,7 @@ def test_a_closed_loop_against_a_target_that_is_down_pauses_and_is_judged_on_err
         [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless",
          "-H", f"http://127.0.0.1:{free_port()}", "--target-profile", "openai",
          "--protocol", "openai-completions", "--model", "m", "--tokenizer", str(tokenizer_path()),
-         "-u", "2", "-r", "2", "-t", "3s", "--run-dir", str(run_dir)],
+         "-u", "2", "-r", "2", "-t", "5s", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=90, cwd=tmp_path, check=False,
     )  # fmt: skip
     log = proc.stdout + proc.stderr
@@ -72,8 +72,9 @@ def test_a_closed_loop_against_a_target_that_is_down_pauses_and_is_judged_on_err
     assert "did not keep up" not in log and "saturated" not in log, log[-3000:]
     parts = sorted(run_dir.glob("client/*/part-*.requests.parquet"))
     classes = [c for p in parts for c in pq.read_table(p).column("ext.error_class").to_pylist()]
-    # 2 users x 3 s at 50, 100, 200, 400, 800, 1000 ms pauses: about 12 requests, not
+    # 2 users x 5 s at 50, 100, 200, 400, 800, 1000 ms pauses: about 16 requests, not
     # the thousands a hot loop sends. At least one per user: on a busy machine the
-    # start-up (tokenizer, prompts) took most of the 3 s and left 2 requests.
-    assert 2 <= len(classes) <= 30, len(classes)
+    # start-up (tokenizer, prompts) took most of the run (of 3 s, it once took all of it:
+    # no request, exit 0; hence 5 s).
+    assert 2 <= len(classes) <= 40, len(classes)
     assert set(classes) == {"connect_refused"}
