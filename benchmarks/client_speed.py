@@ -469,6 +469,13 @@ def engine_client(engine: str) -> str:
     return f"calculet:{engine}"
 
 
+def _unflagged(points: list[Point]) -> tuple[list[Point], list[str]]:
+    """The points past the budget (TTFT p99 error, or none measured), and the labels of
+    those calculet-load's own verdict did not flag."""
+    beyond = [p for p in points if not p.err.get("ttft_p99", float("inf")) <= BUDGET_MS]
+    return beyond, [p.label for p in beyond if "FLAGGED" not in p.verdict]
+
+
 def summary(name: str, points: list[Point]) -> None:
     """The highest rate within the budget, and the points beyond it the verdict missed."""
     ours = [p for p in points if p.mode == "poisson"]
@@ -480,8 +487,7 @@ def summary(name: str, points: list[Point]) -> None:
             if ok
             else f"  {name}: no rate within the budget"
         )
-    beyond = [p for p in points if p.err.get("ttft_p99", float("inf")) > BUDGET_MS]
-    silent = [p.label for p in beyond if "FLAGGED" not in p.verdict]
+    beyond, silent = _unflagged(points)
     print(
         f"  {name}: points beyond {BUDGET_MS:g} ms TTFT p99 error: "
         f"{', '.join(p.label for p in beyond) or 'none'}; not flagged by its own "
@@ -527,8 +533,7 @@ def target_lines(points: list[Point]) -> list[str]:
         )
     else:
         lines.append("CPU per request <= 1.5x the reference's: not run (no reference)")
-    beyond = [p for p in points if not p.err.get("ttft_p99", float("inf")) <= BUDGET_MS]
-    silent = [p.label for p in beyond if "FLAGGED" not in p.verdict]
+    beyond, silent = _unflagged(points)
     lines.append(
         f"every point beyond {BUDGET_MS:g} ms flagged by its own verdict: "
         + (f"NOT met ({', '.join(silent)})" if silent else f"met ({len(beyond)} beyond)")

@@ -47,10 +47,6 @@ class BioTLS:
         self.cmsg_space = cmsg_space  # > 0: read with recvmsg, keep the control messages
         self._anc: list[tuple[int, int, bytes]] = []
 
-    @property
-    def stamped(self) -> bool:
-        return self.cmsg_space > 0
-
     def take_stamp(self) -> list[tuple[int, int, bytes]]:
         """The control messages of the last read that brought bytes since the last call."""
         anc, self._anc = self._anc, []

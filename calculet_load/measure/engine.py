@@ -312,9 +312,8 @@ class _Response(Reads):
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Any, run: Run,
         ns: dict[str, int | None], timeouts: Timeouts, deadline: int, cancel: CancelAt,
     ) -> None:  # fmt: skip
-        self.tls = isinstance(sock, BioTLS)
-        stamped = sock.stamped if isinstance(sock, BioTLS) else CMSG_SPACE > 0
-        stamps = stamped and type(run.clock) is SystemClock
+        self.tls = isinstance(sock, BioTLS)  # its reads carry stamps too (EnginePool._open)
+        stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.loop, self.sock, self.clock, self.fd = loop, sock, run.clock, sock.fileno()
         self.fut: asyncio.Future[bool] = loop.create_future()
