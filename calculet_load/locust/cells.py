@@ -158,8 +158,10 @@ class Fleet:
         runner = self._runner()
         task = str(next(self._tasks))
         shares = {cid: s for cid, s in zip(self.names, step, strict=True) if s is not None}
+        lanes = {cid: i for i, cid in enumerate(self.names)}  # prompts' first tokens differ
         for cid, share in shares.items():
-            data = {"task": task, "job": {**job, "worker": self.names[cid]},
+            data = {"task": task, "job": {**job, "worker": self.names[cid],
+                                          "lane": [lanes[cid], len(lanes)]},
                     "share": share.to_wire()}  # fmt: skip
             runner.send_message("calculet_share", data, client_id=cid)
         for reply in self._gather("calculet_ready", task, shares, timeout_s=600.0):
@@ -336,6 +338,7 @@ class Agent:
             timeouts=Timeouts.within(timeout),
             sink=self.sink,
             prompt_reuse=bool(target.get("prompt_reuse")),
+            lane=(int(job["lane"][0]), int(job["lane"][1])) if "lane" in job else (0, 1),
         )
         self.watch = SelfWatch(self.sink, self.name, in_flight=lambda: self.session.in_flight)
         self.watch.start()

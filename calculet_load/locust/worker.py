@@ -160,6 +160,8 @@ class Worker:
             sink=self.sink,
             prompt_reuse=bool(self.opts.prompt_reuse),
             io_engine=str(getattr(self.opts, "io_engine", DEFAULT_IO_ENGINE)),
+            # the workers' prompts never share a first token (measure.prompts.Nonce)
+            lane=(self.slot, len(plan.slots)) if self.slot is not None else (0, 1),
         )
         self.session.hooks.append(self._on_record)
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))

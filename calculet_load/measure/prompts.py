@@ -75,22 +75,34 @@ class Nonce:
     Digit 0 is `(seq + salt) mod A` (A = the alphabet's size), so one session's
     consecutive A requests differ at the very first token; the other digits come from a
     hash of (seq, salt), so any two requests share their first `width` tokens with
-    probability about A**-width."""
+    probability about A**-width.
+
+    Several processes sending to one server (a run's workers) each take a lane `(i, n)`:
+    digit 0 is then `i + n * ((seq + salt) mod (A // n))`, so the processes' first tokens
+    never meet (with the salt alone they met whenever two workers' counts drifted by
+    the salts' difference: a real llama-server then served one prompt token from its
+    cache), and each one's
+    consecutive A // n requests differ. Lanes too narrow for that (A // n below
+    MIN_ALPHABET) fall back to the salt alone."""
 
     alphabet: tuple[int, ...] | tuple[str, ...] = dataclasses.field(repr=False)
     width: int
 
-    def digits(self, seq: int, salt: int) -> list[int]:
+    def digits(self, seq: int, salt: int, lane: tuple[int, int] = (0, 1)) -> list[int]:
         a = len(self.alphabet)
-        out = [(seq + salt) % a]
+        i, n = lane
+        per = a // n
+        out = [i + n * ((seq + salt) % per) if per >= MIN_ALPHABET else (seq + salt) % a]
         h = _mix64(salt ^ _mix64(seq))
         for _ in range(self.width - 1):
             h, d = divmod(h, a)
             out.append(d)
         return out
 
-    def apply(self, payload: str | list[int], seq: int, salt: int) -> str | list[int]:
-        picked = [self.alphabet[d] for d in self.digits(seq, salt)]
+    def apply(
+        self, payload: str | list[int], seq: int, salt: int, lane: tuple[int, int] = (0, 1)
+    ) -> str | list[int]:
+        picked = [self.alphabet[d] for d in self.digits(seq, salt, lane)]
         if isinstance(payload, list):
             return [*picked, *payload[self.width :]]  # type: ignore[list-item]
         words = payload.split(" ", self.width)

@@ -295,9 +295,12 @@ class Session:
         prompt_reuse: bool = False,
         count_text: Callable[[str], int] | None = None,
         io_engine: str = DEFAULT_IO_ENGINE,
+        lane: tuple[int, int] = (0, 1),
     ) -> None:
         if io_engine not in IO_ENGINES:
             raise ValueError(f"io_engine {io_engine!r}: one of {', '.join(IO_ENGINES)}")
+        if not 0 <= lane[0] < lane[1]:
+            raise ValueError(f"lane {lane!r}: expected (i, n) with 0 <= i < n")
         self.ctx = ctx
         # where the socket I/O runs: gevent (this greenlet) or thread (measure.engine)
         self.io_engine = io_engine
@@ -306,6 +309,8 @@ class Session:
         # Unique prompts unless reuse is asked for (a cache study): see measure.prompts.
         self.prompt_reuse = prompt_reuse
         self._salt = nonce_salt(ctx.run_id, ctx.worker, _PROCESS_SALT)
+        # this process's lane among the run's senders: their prompts' first tokens differ
+        self.lane = lane
         self.output_slack_tokens = output_slack_tokens
         self.adapter = adapter_for(protocol)
         self.protocol = protocol
@@ -330,7 +335,8 @@ class Session:
         payload, unique_from = spec.prompt.payload, None
         nonce = spec.prompt.nonce
         if nonce is not None and not (spec.reuse or self.prompt_reuse):
-            payload, unique_from = nonce.apply(payload, seq, self._salt), spec.prompt.unique_from
+            payload = nonce.apply(payload, seq, self._salt, self.lane)
+            unique_from = spec.prompt.unique_from
         body = self.adapter.body(
             payload,
             spec.max_tokens,

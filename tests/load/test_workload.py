@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from calculet_load.measure.client import run_in_greenlet
-from calculet_load.measure.prompts import PromptFactory, WorkloadError, http_tokenizer, sample_words
+from calculet_load.measure.prompts import (
+    MIN_ALPHABET,
+    Nonce,
+    PromptFactory,
+    WorkloadError,
+    http_tokenizer,
+    nonce_salt,
+    sample_words,
+)
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.runfolder import part_files
@@ -18,6 +26,30 @@ def test_corpus_samples_are_deterministic_and_distinct() -> None:
     assert sample_words(0, 1, 50) == sample_words(0, 1, 50)
     assert sample_words(0, 1, 50) != sample_words(0, 2, 50)
     assert sample_words(0, 1, 50) != sample_words(1, 1, 50)
+
+
+def test_workers_in_their_own_lanes_never_share_a_first_token() -> None:
+    # The salts alone let two workers meet whenever their counts drifted by the salts'
+    # difference (a CI run against llama-server had one prompt token served from cache).
+    nonce = Nonce(tuple(range(279)), 4)  # llama-server's alphabet for the corpus
+    salts = [nonce_salt("run", f"w{i:02d}", "process") for i in range(3)]
+    firsts = [
+        {nonce.apply(list(range(64)), seq, salts[i], (i, 3))[0] for seq in range(2000)}
+        for i in range(3)
+    ]
+    assert all(len(f) == 279 // 3 for f in firsts)  # each lane cycles its own 93 tokens
+    assert not (firsts[0] & firsts[1] or firsts[0] & firsts[2] or firsts[1] & firsts[2])
+    for i, salt in enumerate(salts):  # and one lane's consecutive 93 requests differ
+        run = [nonce.digits(seq, salt, (i, 3))[0] for seq in range(500, 593)]
+        assert len(set(run)) == 93
+    # without lanes the same salts meet: some pair of counts gives one first token
+    plain = [{nonce.digits(seq, s)[0] for seq in range(100)} for s in salts]
+    assert plain[0] & plain[1] or plain[0] & plain[2] or plain[1] & plain[2]
+    # lanes too narrow for MIN_ALPHABET tokens each fall back to the salt, whole alphabet
+    narrow = Nonce(tuple(range(MIN_ALPHABET * 2)), 2)
+    assert {narrow.digits(seq, 0, (2, 3))[0] for seq in range(64)} == set(range(16))
+    with pytest.raises(ValueError, match="lane"):
+        Session(RunContext("r", "w"), "http://127.0.0.1:9", "openai-completions", lane=(3, 3))
 
 
 @pytest.mark.parametrize("n", [1, 16, 17, 128, 2048, 40959])
