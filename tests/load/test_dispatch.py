@@ -75,13 +75,25 @@ def test_bounded_in_time_and_stopped_on_request() -> None:
     assert res.arrivals == 20
     assert all(i < start + 220_000_000 for i, _ in rec.sent)
 
+    # One arrival every 2 s: stopped after the first, the loop returns without waiting
+    # for the second. (A stop at a fixed +100 ms, with arrivals every 10 ms, saw none
+    # sent on a loaded machine: the stop's timer and the first arrival's were due in the
+    # same pass of the hub after a descheduling.)
     rec2 = Recorder()
-    loop2 = _loop(100.0, rec2, wake=gevent.event.Event())
-    gevent.spawn_later(0.1, loop2.stop)
-    t0 = time.monotonic()
+    loop2 = _loop(0.5, rec2, wake=gevent.event.Event())
+    stopped: list[float] = []
+
+    def stop_after_the_first() -> None:
+        while not rec2.sent:
+            gevent.sleep(0.005)
+        stopped.append(time.monotonic())
+        loop2.stop()
+
+    stopper = gevent.spawn(stop_after_the_first)
     loop2.run()
-    assert time.monotonic() - t0 < 0.2  # the stop wakes the wait at once
-    assert 5 <= loop2.result.arrivals <= 11
+    stopper.join()
+    assert time.monotonic() - stopped[0] < 1.0  # the stop wakes the wait: not 2 s
+    assert loop2.result.arrivals == 1 and len(rec2.sent) == 1
 
 
 def test_a_full_pool_drops_and_says_so() -> None:
