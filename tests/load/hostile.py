@@ -5,6 +5,8 @@ every later one the last script. A script is a list of steps:
 
 - `bytes`: sent as they are (`sendall`);
 - `Sleep(s)`: wait s seconds (cut short when the server stops);
+- `Until(event, s)`: wait until the test sets `event` (a `threading.Event`), at most s
+  seconds (then go on): a hold the test ends once it has seen what it waits for;
 - `CLOSE`: shut the connection down cleanly (FIN);
 - `RESET`: SO_LINGER 0, then close (the kernel sends RST);
 - `READ`: read one more request on the same connection (keep-alive).
@@ -12,6 +14,8 @@ every later one the last script. A script is a list of steps:
 Every connection first reads one request (head up to the blank line, then a
 Content-Length body); the raw bytes are kept in `requests`. A script that ends without
 CLOSE or RESET leaves the connection open until the client closes it or the server stops.
+`played` counts the connections whose script has been played to its end (its CLOSE or
+RESET done): a test waits on it rather than sleeping for the server's thread.
 
 Plain `socket` and `threading` on real OS sockets, daemon threads, and every wait is a
 short poll on the stop flag, so `stop()` (the end of the `serve` block) is prompt and
@@ -36,6 +40,7 @@ __all__ = [
     "HostileServer",
     "Sleep",
     "Step",
+    "Until",
     "drip",
     "serve",
 ]
@@ -47,6 +52,12 @@ _READ_LIMIT_S = 5.0  # a request that takes longer than this to arrive is given 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sleep:
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Until:
+    event: threading.Event
+    max_seconds: float
 
 
 class _Marker:
@@ -61,7 +72,7 @@ CLOSE = _Marker("CLOSE")
 RESET = _Marker("RESET")
 READ = _Marker("READ")
 
-Step = bytes | Sleep | _Marker
+Step = bytes | Sleep | Until | _Marker
 
 
 def drip(data: bytes, gap_s: float, size: int = 1) -> list[Step]:
@@ -83,6 +94,7 @@ class HostileServer:
         self.scripts = [list(s) for s in scripts]
         self.requests: list[bytes] = []
         self.connections = 0
+        self.played = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -140,6 +152,11 @@ class HostileServer:
                 elif isinstance(step, Sleep):
                     if self._stop.wait(step.seconds):
                         raise _Gone
+                elif isinstance(step, Until):
+                    deadline = time.monotonic() + step.max_seconds
+                    while not step.event.wait(_POLL_S) and time.monotonic() < deadline:
+                        if self._stop.is_set():
+                            raise _Gone
                 elif step is READ:
                     self._read_request(conn)
                 elif step is CLOSE:
@@ -150,6 +167,8 @@ class HostileServer:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     open_ = False
                     break
+            if open_:
+                self._note_played()
             while open_ and self._recv(conn, None):
                 pass  # keep the connection until the client closes it
         except (_Gone, OSError):
@@ -158,6 +177,12 @@ class HostileServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            if not open_:  # its CLOSE or RESET is done: the peer has the FIN or the RST
+                self._note_played()
+
+    def _note_played(self) -> None:
+        with self._lock:
+            self.played += 1
 
     def _recv(self, conn: socket.socket, deadline: float | None) -> bytes:
         """Bytes from the client (b"" at its EOF); _Gone when stopping or past `deadline`."""

@@ -20,14 +20,16 @@ import functools
 import json
 import math
 import socket
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import gevent
 import pyarrow.parquet as pq
 import pytest
 
+from calculet_load.measure import engine as engine_module
 from calculet_load.measure import session as session_module
 from calculet_load.measure.client import (
     ERROR_CLASSES,
@@ -43,17 +45,20 @@ from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
-from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, drip, serve
+from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
 from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
 
 
-@pytest.fixture(autouse=True, params=["gevent", "thread"])
+@pytest.fixture(autouse=True, params=["gevent", "thread", "thread-backlog"])
 def io_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every case on both I/O engines: the gevent one (measure.client) and the thread one
-    (measure.engine) must give the same outcome."""
-    if request.param == "thread":
+    (measure.engine) must give the same outcome; the thread one also with every read
+    parsed after it was queued (as when its loop is late: measure.engine._Backlog)."""
+    if request.param == "thread-backlog":
+        monkeypatch.setattr(engine_module, "LATE_READ_NS", -1)
+    if request.param.startswith("thread"):
         here = globals()
         monkeypatch.setitem(here, "ConnectionPool", EnginePool)
         monkeypatch.setitem(here, "execute", execute_threaded)
@@ -64,8 +69,11 @@ def io_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 LLAMA_CPP_SAMPLES = Path(__file__).resolve().parents[2].parent / "shared" / "protocol-samples"
 FAST = Timeouts(connect_s=1.0, first_byte_s=0.3, idle_s=0.3, total_s=2.0)
-# Requests that are not about timeouts (the valid one after each hostile one shows the worker
-# goes on) get seconds: a fresh-clone run's loaded machine saw 0.3 s pass before a valid answer.
+# Requests that are not about timeouts (the hostile responses of every other kind, and the
+# valid one after each shows the worker goes on) get seconds: a fresh-clone run's loaded
+# machine saw 0.3 s pass before a valid answer. A test of a timeout gives its own, with the
+# limits it is not about in seconds too (a stall before the head must not turn an idle
+# timeout into a first-byte one).
 PATIENT = Timeouts(connect_s=5.0, first_byte_s=5.0, idle_s=5.0, total_s=10.0)
 
 
@@ -233,7 +241,7 @@ def play(
     proto: str = "llama",
     *,
     stream: bool = True,
-    timeouts: Timeouts = FAST,
+    timeouts: Timeouts = PATIENT,
 ) -> Outcome:
     """One request against `script`, then a valid one on a fresh pool (the worker goes on)."""
     with serve(script, VALID) as server:
@@ -873,29 +881,33 @@ def test_bad_chunk_after_tokens_is_malformed_http_with_the_tokens() -> None:
 # --- timeouts ------------------------------------------------------------------------------
 
 
-def _timed(script: Sequence[Step], timeouts: Timeouts = FAST) -> tuple[Outcome, float]:
+def _timed(script: Sequence[Step], timeouts: Timeouts) -> tuple[Outcome, float]:
     start = time.monotonic()
     out = play(script, timeouts=timeouts)
     return out, time.monotonic() - start
 
 
 def test_server_never_answers_is_first_byte_timeout() -> None:
-    out, elapsed = _timed([Sleep(5.0)])
+    out, elapsed = _timed([Sleep(5.0)], FAST)
     failed(out, "first_byte_timeout")
     assert stamps(out) == [True, True] + [False] * 5
     assert 0.25 < elapsed < 1.5
 
 
+# The idle limit alone short: the bytes before the stall come at once, and a loaded machine
+# that holds the server's thread for 0.3 s must not make them a first-byte timeout.
+IDLE_ONLY = Timeouts(connect_s=5.0, first_byte_s=5.0, idle_s=0.3, total_s=8.0)
+
+
 def test_stall_inside_the_status_line_is_idle_not_first_byte() -> None:
     # Bytes have arrived: from then on the idle timeout applies, not the first-byte one.
-    slow_first = Timeouts(connect_s=1.0, first_byte_s=5.0, idle_s=0.3, total_s=8.0)
-    out, elapsed = _timed([b"HTTP/1.1 20", Sleep(6.0)], slow_first)
+    out, elapsed = _timed([b"HTTP/1.1 20", Sleep(6.0)], IDLE_ONLY)
     failed(out, "idle_timeout")
     assert elapsed < 2.0
 
 
 def test_stall_after_tokens_is_idle_timeout_with_the_tokens_counted() -> None:
-    out, elapsed = _timed([CHUNKED_HEAD + chunk(L1) + chunk(L2), Sleep(5.0)])
+    out, elapsed = _timed([CHUNKED_HEAD + chunk(L1) + chunk(L2), Sleep(5.0)], IDLE_ONLY)
     failed(out, "idle_timeout", 2)
     assert stamps(out) == [True] * 6 + [False]
     assert 0.25 < elapsed < 1.5
@@ -905,7 +917,7 @@ def test_drip_slower_than_the_idle_timeout_is_idle_timeout() -> None:
     wire = http(SHORT_LLAMA)
     head_end = wire.index(b"\r\n\r\n") + 4
     fast, slow = wire[head_end : head_end + 4], wire[head_end + 4 :]
-    out = play([wire[:head_end], *drip(fast, 0.05), *drip(slow, 0.45)])
+    out = play([wire[:head_end], *drip(fast, 0.05), *drip(slow, 0.45)], timeouts=IDLE_ONLY)
     failed(out, "idle_timeout")
     assert out.client_ns.response_headers is not None and out.events == 0
 
@@ -928,7 +940,9 @@ def test_slow_drip_within_the_idle_timeout_succeeds() -> None:
         a, b = piece
         size = 1 if b - a <= 12 else 64
         script += drip(wire[a:b], 0.05, size)
-    relaxed = Timeouts(connect_s=1.0, first_byte_s=0.5, idle_s=0.5, total_s=10.0)
+    # 42 pieces 0.05 s apart: 2.1 s in all, past the idle limit, so the limit runs from
+    # each read; a second's margin over the gaps, so no descheduling makes one of them idle
+    relaxed = Timeouts(connect_s=5.0, first_byte_s=5.0, idle_s=1.0, total_s=10.0)
     out = play(script, timeouts=relaxed)
     assert out.ok, out.error_detail
     assert (out.output_tokens, out.server_total, out.events) == (3, 3, 4)
@@ -939,22 +953,26 @@ def test_slow_drip_within_the_idle_timeout_succeeds() -> None:
 
 def test_comment_pings_keep_an_idle_stream_alive() -> None:
     script: list[Step] = [CHUNKED_HEAD, chunk(L1)]
-    script += [Sleep(0.1), chunk(b": ping\n\n")] * 8  # 0.8 s without a token, idle 0.3 s
+    # 2 s without a token, idle 1 s: pings 0.1 s apart leave a descheduled server thread
+    # 0.9 s before the client would see the stream idle
+    script += [Sleep(0.1), chunk(b": ping\n\n")] * 20
     script += [chunk(L2 + L3 + STOP3), b"0\r\n\r\n"]
-    relaxed = Timeouts(connect_s=1.0, first_byte_s=0.3, idle_s=0.3, total_s=5.0)
+    relaxed = Timeouts(connect_s=5.0, first_byte_s=5.0, idle_s=1.0, total_s=8.0)
     out, elapsed = _timed(script, relaxed)
     assert out.ok, out.error_detail
-    assert out.output_tokens == VALID_TOKENS and elapsed > 0.8
+    assert out.output_tokens == VALID_TOKENS and elapsed > 2.0
 
 
 def test_drip_past_the_total_timeout_is_total_timeout() -> None:
     script: list[Step] = [CHUNKED_HEAD, chunk(L1)]
     script += [Sleep(0.1), chunk(b": ping\n\n")] * 40  # never idle, never done
+    # idle 1 s: a ping 0.1 s late by a descheduling is still not idle; total 2 s, well
+    # past the idle limit
     out, elapsed = _timed(
-        script, Timeouts(connect_s=1.0, first_byte_s=0.3, idle_s=0.3, total_s=1.0)
+        script, Timeouts(connect_s=5.0, first_byte_s=5.0, idle_s=1.0, total_s=2.0)
     )
     failed(out, "total_timeout", 1)
-    assert 0.9 < elapsed < 2.0
+    assert 1.9 < elapsed < 3.0
 
 
 # --- resets and refusals -------------------------------------------------------------------
@@ -1034,6 +1052,14 @@ def test_connect_timeout(full_backlog: str) -> None:
 # --- keep-alive and the pool ---------------------------------------------------------------
 
 
+def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for `cond` (set by the server's threads), letting the event loop run."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        gevent.sleep(0.01)
+
+
 @pytest.mark.parametrize(
     ("after_first", "reused"),
     [
@@ -1049,7 +1075,12 @@ def test_idle_keepalive_connection(after_first: list[Step], reused: bool) -> Non
         try:
             first = request(server.url, pool=pool)
             assert first.ok and pool.open == 1
-            time.sleep(0.25)  # whatever the server does to the idle connection has happened
+            time.sleep(0.25)  # the connection sits idle in the pool
+            if not reused:
+                # whatever the server does to the idle connection has happened: waited
+                # for, as a loaded machine can hold the server's thread past the sleep
+                # (stray bytes after the second request would be read as its answer)
+                _until(lambda: server.played == 1)
             second = request(server.url, pool=pool, request_id="req-2")
             assert pool.open == 1
         finally:
@@ -1088,18 +1119,25 @@ def test_a_kept_alive_connection_closed_under_the_request_is_retried_once(then_o
 
 
 def test_pool_exhausted_is_immediate_and_the_held_request_completes() -> None:
-    with serve([Sleep(0.4), VALID[0]]) as server:
+    # The server holds its answer until the refusal is in (at most 5 s): the held request
+    # keeps the one connection however late a loaded machine runs either side.
+    answer = threading.Event()
+    with serve([Until(answer, 5.0), VALID[0]]) as server:
         pool = ConnectionPool(Endpoint(server.url), 1)
         try:
-            slow = Timeouts(connect_s=1.0, first_byte_s=2.0, idle_s=2.0, total_s=3.0)
+            slow = Timeouts(connect_s=5.0, first_byte_s=8.0, idle_s=8.0, total_s=10.0)
             held = gevent.spawn(request, server.url, timeouts=slow, pool=pool)
-            gevent.sleep(0.1)
+            _until(lambda: len(server.requests) == 1)  # the held request is on the wire
             assert pool.open == 1
             start = time.monotonic()
             refused = request(server.url, pool=pool, request_id="req-2")
-            assert time.monotonic() - start < 0.05
-            first = held.get(timeout=5)
+            # refused without waiting for the connection: the held one is still unanswered
+            # (a pool that queued would return only after its 5 s)
+            assert not held.ready() and time.monotonic() - start < 1.0
+            answer.set()
+            first = held.get(timeout=10)
         finally:
+            answer.set()
             pool.close()
     failed(refused, "pool_exhausted")
     assert refused.error_detail == "all 1 connections busy"
@@ -1246,7 +1284,7 @@ def test_output_above_max_tokens_is_flagged(max_tokens: int, slack: int, flagged
                     body,
                     "r",
                     stream=True,
-                    timeouts=FAST,
+                    timeouts=PATIENT,  # not about timeouts
                     max_tokens=max_tokens,
                     output_slack_tokens=slack,
                 )

@@ -109,9 +109,16 @@ def test_flush_polling_lets_the_event_loop_run_while_the_writer_writes(
     import gevent
 
     real = pq.write_table
+    # The writer thread holds its first write until the loop has ticked 3 times during
+    # the flush (a condition, not a time: a loaded machine may not run the loop in a
+    # fixed 100 ms); a flush that stalled the loop would leave it the whole 10 s.
+    ticked = sink._original("_thread", "allocate_lock")()
+    ticked.acquire()
+    held: list[bool] = []
 
     def slow(*args: object, **kw: object) -> None:
-        time.sleep(0.05)  # on the writer thread
+        if not held:  # on the writer thread
+            held.append(ticked.acquire(timeout=10))
         real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sink.pq, "write_table", slow)
@@ -119,19 +126,24 @@ def test_flush_polling_lets_the_event_loop_run_while_the_writer_writes(
     for i in range(5):
         s.add(rec(i), tokens(i))
     ticks: list[float] = []
+    flushing: list[int] = []  # the tick count when the flush began
 
     def ticker() -> None:
         while True:
             ticks.append(time.monotonic())
+            if flushing and len(ticks) - flushing[0] == 3:
+                ticked.release()
             gevent.sleep(0.005)
 
     g = gevent.spawn(ticker)
     gevent.sleep(0)
     before = len(ticks)
-    assert gevent.spawn(s.flush_polling, gevent.sleep).get(timeout=10) is True
+    flushing.append(before)
+    assert gevent.spawn(s.flush_polling, gevent.sleep).get(timeout=30) is True
     during = len(ticks) - before
     g.kill()
-    assert during >= 3, during  # the loop ran while the parts (>= 100 ms) were written
+    assert held == [True]  # the loop ran while the part was being written
+    assert during >= 3, during
     assert len(part_files(str(tmp_path), "requests")) == 1  # and the part is on disk
     s.close()
 

@@ -117,8 +117,14 @@ def test_device_rows_every_simulated_second_and_temperature_follows_load(
         "--set", "timing.decode_base_ms=300",  # 3 ms of real device time per step
         "--set", "timing.jitter=0",
     )  # fmt: skip
-    time.sleep(0.3)  # ~30 simulated seconds idle
-    idle = sim.traces("device")
+
+    def idle_rows() -> list[dict[str, Any]] | None:
+        seen = sim.traces("device")
+        return seen if len(seen) >= 15 else None
+
+    # ~15 simulated seconds idle, waited for: rows are flushed every 0.2 s and a stalled
+    # sampler skips the rows it missed, so a fixed 0.3 s showed about 20 on a quiet machine
+    idle = sim.wait_for(idle_rows, what="15 idle device rows")
     llama(sim, prompt_ids(16), 300)  # ~90 simulated seconds of sustained decode
     rows = sim.traces("device")
     loaded = rows[len(idle) :]
