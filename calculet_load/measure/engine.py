@@ -301,12 +301,73 @@ async def _until(loop: asyncio.AbstractEventLoop, at_ns: int) -> None:
             timer.cancel()
 
 
+# A read whose bytes waited this long in the kernel finds the loop late: it is parsed
+# after the reads already waiting (`_Backlog`), not before them.
+LATE_READ_NS = 1_000_000
+# The longest a run of parsing goes before the loop polls its sockets again.
+PARSE_SLICE_NS = 2_000_000
+
+
+class _Backlog:
+    """Reads taken but not yet parsed, oldest first, on one loop.
+
+    Why: a read's kernel stamp is the arrival of the last segment it copies, and the
+    kernel merges segments that arrive while earlier ones wait unread into one buffer
+    with the newest time (docs/measurement.md). So what keeps TTFT exact is reading each
+    socket before its next token arrives (a token interval, 10 ms in the benchmark),
+    not parsing it: when the loop is late (a read's bytes waited `LATE_READ_NS` or more,
+    or reads are already waiting here), each ready socket is read and stamped at once and
+    its bytes join this queue; the queue is parsed in runs of at most `PARSE_SLICE_NS`,
+    each followed by a poll of the sockets (a `call_soon` runs after the next poll). A
+    failure in a queued read's bytes is found within a run or two. On time, a read is
+    parsed as it is taken, as before."""
+
+    __slots__ = ("loop", "queue", "scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: collections.deque[tuple[_Response, _Taken]] = collections.deque()
+        self.scheduled = False
+
+    def add(self, resp: _Response, taken: _Taken) -> None:
+        self.queue.append((resp, taken))
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self.drain)
+
+    def drain(self) -> None:
+        queue, end = self.queue, time.monotonic_ns() + PARSE_SLICE_NS
+        while queue:
+            resp, taken = queue.popleft()
+            resp.queued -= 1
+            resp.parse(taken)
+            if queue and time.monotonic_ns() >= end:
+                self.loop.call_soon(self.drain)  # after the loop polls the sockets
+                return
+        self.scheduled = False
+
+
+# one per engine loop (a process has one: IoEngine.shared)
+_BACKLOGS: dict[int, _Backlog] = {}
+# a read: its bytes, whether the peer closed after them, when it returned, the kernel's
+# receive time, when the read before returned; or the socket's error
+_Taken = tuple[bytes, bool, int, "int | None", int] | Fail
+
+
+def _backlog(loop: asyncio.AbstractEventLoop) -> _Backlog:
+    found = _BACKLOGS.get(id(loop))
+    if found is None or found.loop is not loop:
+        found = _BACKLOGS[id(loop)] = _Backlog(loop)
+    return found
+
+
 class _Response(Reads):
     """One response's reads on the loop: each read as its bytes arrive, stamped first,
-    then sent into `respond`; the read timeouts on one lazily re-armed timer."""
+    then parsed (`respond`) at once or, when the loop is late, after the reads waiting
+    (`_Backlog`); the read timeouts on one lazily re-armed timer."""
 
-    __slots__ = ("clock", "expiry", "fd", "fut", "gen", "kind", "limit_s", "loop", "since",
-                 "sock", "timer", "timer_at", "tls")  # fmt: skip
+    __slots__ = ("backlog", "clock", "ended", "expiry", "fd", "fut", "gen", "kind", "limit_s",
+                 "loop", "queued", "since", "sock", "timer", "timer_at", "tls")  # fmt: skip
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Any, run: Run,
@@ -316,11 +377,14 @@ class _Response(Reads):
         stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.loop, self.sock, self.clock, self.fd = loop, sock, run.clock, sock.fileno()
+        self.backlog = _backlog(loop)
         self.fut: asyncio.Future[bool] = loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = self.expiry = 0  # time.monotonic_ns of the timer, of the limit
         self.since = 0  # time.monotonic_ns of the last read (or of the request's send)
         self.kind, self.limit_s = "", 0.0
+        self.queued = 0  # this response's reads in the backlog
+        self.ended = False  # a read saw the end of the stream or failed: no more reads
         self.gen = respond(conn, self, cancel)
         next(self.gen)  # to its first read
 
@@ -353,38 +417,62 @@ class _Response(Reads):
         if self.fut.done():
             return
         try:
-            self.limit_s, self.kind = self.limit(self.returned or self.clock.mono_ns())
+            self.limit_s, self.kind = self.limit(self.read_at or self.clock.mono_ns())
         except Fail as f:
             self.fut.set_exception(f)
             return
         self.expiry = self.since + int(self.limit_s * 1e9)
         left = self.expiry - time.monotonic_ns()
-        if left > 0:
+        if left > 0 or self.queued:  # bytes read and not yet parsed: not a wait
             self.timer_at = self.expiry
             self.timer = self.loop.call_later(max(left / 1e9, 0.001), self._on_timer)
             return
         self.fut.set_exception(Fail(self.kind, f"no bytes for {self.limit_s:.3f} s"))
 
     def _on_readable(self) -> None:
-        if self.fut.done():
+        if self.fut.done() or self.ended:
             return
-        fresh = not self.first  # no byte yet: this read ends the first-byte wait
+        taken: _Taken
+        late = False
         try:
-            try:
-                data, closed, _ = self.receive(self.sock, self.clock, self.tls)
-            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                return  # nothing for the application yet (a TLS record still coming)
-            except OSError as exc:
-                self.out.unanswered = not self.first
-                raise Fail("connection_reset", str(exc)) from None
-            self.gen.send((data, closed))
-            if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+            taken = self.stamped_read(self.sock, self.clock, self.tls)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return  # nothing for the application yet (a TLS record still coming)
+        except OSError as exc:
+            taken = Fail("connection_reset", str(exc))
+        else:
+            self.since = time.monotonic_ns()  # the idle limit runs from here
+            data, closed, t, kernel, _ = taken
+            late = kernel is not None and t - kernel >= LATE_READ_NS
+            if data and not closed and self.tls and self.sock.pending():  # type: ignore[attr-defined]
                 # decrypted or undecrypted bytes the socket's readiness will not announce
                 self.loop.call_soon(self._on_readable)
+        if isinstance(taken, Fail) or not taken[0] or taken[1]:
+            # the peer closed or the socket failed: no more reads (an end of stream
+            # stays readable: the loop would call again at every poll until parsed)
+            self.ended = True
+            self.loop.remove_reader(self.fd)
+        if late or self.backlog.queue:
+            self.queued += 1
+            self.backlog.add(self, taken)
+        else:
+            self.parse(taken)
+
+    def parse(self, taken: _Taken) -> None:
+        """Take a read's bytes into the response (its stamps, then `respond`)."""
+        if self.fut.done():
+            return  # failed or cancelled meanwhile: nothing to add
+        fresh = not self.first  # no byte yet: this read ends the first-byte wait
+        try:
+            if isinstance(taken, Fail):
+                self.out.unanswered = not self.first
+                raise taken
+            data, closed, t, kernel, prev = taken
+            self.run.read_prev = prev
+            self.took(data, closed, t, kernel)
+            self.gen.send((data, closed))
             if fresh or self.returned >= self.deadline:
                 self._arm()  # the first bytes end the first-byte wait; past the deadline
-            else:
-                self.since = time.monotonic_ns()  # the idle limit runs from here
         except StopIteration as end:
             self.fut.set_result(end.value)
         except Exception as exc:  # Fail, or a bug: the caller's to raise

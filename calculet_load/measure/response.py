@@ -577,8 +577,8 @@ class Reads:
     bounds the next read, the stamp each read gives its bytes (the kernel's receive time
     where it gives one), the read waits and the first token's late bound."""
 
-    __slots__ = ("deadline", "eof", "first", "ns", "out", "returned", "run", "stamps", "t",
-                 "timeouts")  # fmt: skip
+    __slots__ = ("deadline", "eof", "first", "last_stamp", "ns", "out", "read_at", "returned",
+                 "run", "stamps", "t", "timeouts")  # fmt: skip
 
     def __init__(
         self, run: Run, ns: dict[str, int | None], timeouts: Timeouts, deadline: int,
@@ -587,8 +587,10 @@ class Reads:
         self.ns, self.timeouts, self.deadline = ns, timeouts, deadline
         self.run = run
         self.out = run.out
-        self.returned = 0  # when the last read returned
-        self.t = 0  # the stamp of the last read
+        self.returned = 0  # when the last read taken (`took`) returned
+        self.t = 0  # the stamp of the last read taken
+        self.read_at = 0  # when the last read with bytes returned (`stamped_read`: taken or not)
+        self.last_stamp = 0  # ... and its stamp
         self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
         self.eof = False
         self.stamps = stamps  # reads carry the kernel's receive time
@@ -600,7 +602,7 @@ class Reads:
         # Any byte ends the first-byte wait, a partial status line included.
         limit, kind = (
             (self.timeouts.idle_s, "idle_timeout")
-            if self.first
+            if self.first or self.read_at
             else (self.timeouts.first_byte_s, "first_byte_timeout")
         )
         remaining = (self.deadline - now) / 1e9
@@ -608,16 +610,23 @@ class Reads:
             limit, kind = remaining, "total_timeout"
         return limit, kind
 
-    def begin(self) -> int:
-        """Before a read: the floor of its kernel stamp (not before the last stamp)."""
-        self.run.read_prev = self.returned or self.ns["t1"] or self.ns["t0"]
-        return max(self.t, self.ns["t1"] or self.ns["t0"] or 0)
-
     def receive(self, sock: socket.socket, clock: Clock, tls: bool) -> tuple[bytes, bool, bool]:
+        """Read what `sock` holds, stamp it and take it (`stamped_read`, then `took`): (the bytes,
+        whether the peer closed after them, whether the stamp is the read's own time)."""
+        data, closed, t, kernel, prev = self.stamped_read(sock, clock, tls)
+        self.run.read_prev = prev
+        return data, closed, self.took(data, closed, t, kernel)
+
+    def stamped_read(
+        self, sock: socket.socket, clock: Clock, tls: bool
+    ) -> tuple[bytes, bool, int, int | None, int]:
         """Read what `sock` holds and stamp it (the socket's errors are the caller's to
-        classify): (the bytes, whether the peer closed after them, whether the stamp is
-        the read's own time: see `took`)."""
-        floor = self.begin()
+        classify): (the bytes, whether the peer closed after them, when the read returned,
+        the bytes' kernel receive time or None, when the read before returned). What the
+        bytes mean is `took`'s and the parser's, now or later (the thread engine parses
+        after the reads waiting when its loop is late: measure.engine)."""
+        prev = self.read_at or self.ns["t1"] or self.ns["t0"] or 0
+        floor = max(self.last_stamp, self.ns["t1"] or self.ns["t0"] or 0)  # not before
         kernel = None
         if self.stamps and not tls:
             data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
@@ -634,7 +643,9 @@ class Reads:
                 # one, which completed what was decrypted (the read's time is after it)
                 t = clock.mono_ns()
                 kernel = kernel_ns(sock.take_stamp(), t, clock.wall_ns(), floor)
-        return data, closed, self.took(data, closed, t, kernel)
+        if data:
+            self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
+        return data, closed, t, kernel, prev
 
     def took(self, data: bytes, closed: bool, t: int, kernel: int | None) -> bool:
         """A read returned `data` at `t` (`kernel`: its bytes' receive time, or None);
