@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import socket
@@ -202,7 +203,7 @@ class EnginePool(ConnectionPool):
             sock = _socket(family, socket.SOCK_STREAM)
             sock.setblocking(False)
             deadline = time.monotonic() + connect_timeout
-            await asyncio.wait_for(loop.sock_connect(sock, sockaddr), connect_timeout)
+            await _connect(loop, sock, sockaddr, connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # over TLS too: its records come in plain reads of this socket (measure.biotls)
             ask_kernel_stamps(sock)
@@ -260,6 +261,31 @@ async def _ready(
         (loop.remove_writer if write else loop.remove_reader)(fd)
         if timer is not None:
             timer.cancel()
+
+
+async def _connect(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, sockaddr: Any, timeout_s: float
+) -> None:
+    """Connect the non-blocking `sock`, waiting on the loop only when the kernel has not
+    connected it by the time `connect` returns (on loopback it has: the handshake runs
+    inside the call). Why not `asyncio.wait_for(loop.sock_connect(...))`: its task and
+    callbacks take four or five passes of the loop, and a loop that is late by a few ms a
+    pass made a new connection's request wait 13-100 ms between its start stamp and its
+    send at 320 req/s on one core (`benchmarks/client_speed.py`): TTFT that long."""
+    err = sock.connect_ex(sockaddr)
+    if err in _IN_PROGRESS:
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not err:
+            try:
+                sock.getpeername()  # connected already (ENOTCONN: the handshake goes on)
+            except OSError:
+                await _ready(loop, sock.fileno(), True, timeout_s)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, os.strerror(err))  # ConnectionRefusedError and the like
+
+
+_IN_PROGRESS = (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY)
 
 
 async def _handshake(loop: asyncio.AbstractEventLoop, sock: BioTLS) -> None:
