@@ -507,12 +507,17 @@ class Worker:
 # records survive until the part is written), each a pause of tens of ms that held every
 # stream's read: the p99 of TTFT error was +75-90 ms at 16 closed-loop streams.
 FULL_GC_EVERY = 100
-# Young collections every 50,000 new container objects rather than 700: a request makes
-# at least one per token event (and its record's), so the default ran one every few
-# requests. At 320 req/s on one core the worker's CPU fell ~5 % (9.4 s against 9.9 s per
-# 10 s, two runs each, against benchmarks/exact_server.py). What waits for a collection
-# stays a few MB.
-YOUNG_GC_EVERY = 50_000
+# Young collections every 2,000 new container objects (Python's default: 700), and a
+# middle-generation one every 2 young ones (default: 10). A collection holds the
+# interpreter lock, so the I/O engine's reads wait for it, and a read that waits past the
+# next token stamps the first token with the next one's arrival (docs/measurement.md).
+# At 320 req/s on one core (benchmarks/exact_server.py, 64 tokens 10 ms apart) young
+# collections every 50,000 objects paused 11-14 ms every 2.2 s and middle ones 20-25 ms:
+# TTFT p99 error +10.02 and +10.06 ms in two runs. With 2,000 and 2 the pauses were at
+# most 10-13 ms, rarely: +0.29 and +0.76 ms. CPU per request within the runs' noise
+# (2,858 and 3,131 µs against 2,859 and 2,978).
+YOUNG_GC_EVERY = 2_000
+MIDDLE_GC_EVERY = 2
 
 
 def freeze_heap() -> None:
@@ -522,8 +527,7 @@ def freeze_heap() -> None:
     are still collected."""
     gc.collect()
     gc.freeze()
-    _, gen1, _ = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_EVERY, gen1, FULL_GC_EVERY)
+    gc.set_threshold(YOUNG_GC_EVERY, MIDDLE_GC_EVERY, FULL_GC_EVERY)
 
 
 class RequestFailed(Exception):
