@@ -1,4 +1,5 @@
-"""The thread engine reads before it parses when its loop is late (measure.engine._Backlog).
+"""The thread engine on a late loop: it reads before it parses (measure.engine._Backlog),
+and a new connection does not wait for the loop.
 
 A read's kernel stamp is the arrival of the last segment it copies, and segments that
 arrive while earlier ones wait unread are merged with the newest time. So a stream read
@@ -25,6 +26,8 @@ from calculet_load.measure.client import Endpoint, run_in_greenlet
 from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.response import Outcome, Timeouts
+from tests.load.hostile import CLOSE, serve
+from tests.load.test_hostile import PATIENT, SHORT_LLAMA, http
 
 STREAMS = 8
 TOKENS = 4
@@ -155,3 +158,42 @@ def test_parsed_as_read_the_last_streams_lose_their_first_tokens_time(
     late = _lateness_ms(outs, sent)
     firsts = sorted(row[0] for row in late)
     assert firsts[-1] > 7.0, late  # read with its second token: ~10 ms late
+
+
+@pytest.mark.serial  # ms timings
+def test_a_new_connection_on_a_late_loop_is_sent_at_once() -> None:
+    """Every pass of the engine's loop takes 5 ms (as when it is late); a request on a
+    new connection still goes out within a pass of its start stamp: the connect does
+    not wait for the loop (it took four or five passes through asyncio.wait_for)."""
+    loop = engine.IoEngine.shared().loop
+    hogging = [True]
+
+    def hog() -> None:
+        if hogging[0]:
+            time.sleep(0.005)
+            loop.call_soon(hog)
+
+    with serve([http(SHORT_LLAMA), CLOSE]) as server:  # one answer per connection
+        pool = EnginePool(Endpoint(server.url), 4)
+        adapter = adapter_for("llama")
+        body = adapter.body([1, 2, 3], 3, stream=True, model=None, temperature=0.0,
+                            seed=None, ignore_eos=True)  # fmt: skip
+        loop.call_soon_threadsafe(hog)
+        try:
+            outs = [
+                run_in_greenlet(
+                    lambda k=k: execute_threaded(
+                        pool, adapter, body, f"nc-{k}", stream=True, timeouts=PATIENT
+                    )
+                )
+                for k in range(4)
+            ]
+        finally:
+            hogging[0] = False
+            pool.close()
+    for out in outs:
+        assert out.ok, (out.error_class, out.error_detail)
+        assert not out.connection_reused  # each its own connection: the server closed
+        ns = out.client_ns
+        assert ns.headers_sent is not None and ns.request_start is not None
+        assert ns.headers_sent - ns.request_start < 4_000_000, out.client_ns
