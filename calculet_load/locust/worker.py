@@ -502,11 +502,14 @@ class Worker:
         return {"sent": s[2], "first_send_master_ns": first, "last_send_master_ns": last}
 
 
-# A full collection at most once per this many second-generation ones (Python's default:
-# 10). With the defaults a worker at 80 req/s ran one every few seconds (its open part's
-# records survive until the part is written), each a pause of tens of ms that held every
-# stream's read: the p99 of TTFT error was +75-90 ms at 16 closed-loop streams.
-FULL_GC_EVERY = 100
+# A full collection at most once per this many middle-generation ones (Python's default:
+# 10), about once per 50 million new objects with the thresholds below. With the
+# defaults a worker at 80 req/s ran one every few seconds (its open part's records
+# survive until the part is written), each a pause of tens of ms that held every
+# stream's read: the p99 of TTFT error was +75-90 ms at 16 closed-loop streams. (At 100
+# with the thresholds below, one ran every ~20 s: 256 closed-loop streams cost 3,271 µs
+# of CPU a request against 2,183, and 320 req/s had TTFT p99 +29 ms.)
+FULL_GC_EVERY = 12_500
 # Young collections every 2,000 new container objects (Python's default: 700), and a
 # middle-generation one every 2 young ones (default: 10). A collection holds the
 # interpreter lock, so the I/O engine's reads wait for it, and a read that waits past the

@@ -9,11 +9,13 @@ and its stamp) is never held up by the greenlets' work (records, sinks, Locust e
 
 Everything but the waiting is measure.response's, as for the gevent engine
 (measure.client): the same outcome, stamps, counts, errors and retries. Reads are driven
-by the socket's readiness (`add_reader`): on a plain socket with the system clock each
-read carries the kernel's receive time (SO_TIMESTAMPNS, `stamp_source` "kernel"); over
-TLS (the standard library's ssl on a non-blocking socket) the stamp is taken when the
-read returns ("read"). Token events reach `on_token` when the request ends, on the
-caller's greenlet (the records are the same; a live listener sees them later).
+by the socket's readiness (`add_reader`): with the system clock each read carries the
+kernel's receive time (SO_TIMESTAMPNS, `stamp_source` "kernel"), over TLS too (its
+records come in plain reads: measure.biotls). When the loop is late, reads come before
+parsing (`_Backlog`): a read stamps its bytes, and only reading a socket after its next
+token arrived could make a token's stamp late. Token events reach `on_token` when the
+request ends, on the caller's greenlet (the records are the same; a live listener sees
+them later).
 """
 
 from __future__ import annotations

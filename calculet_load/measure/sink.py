@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -316,6 +317,8 @@ def _row_dict(row: Any) -> Any:
         return record_to_dict(row)
     if dataclasses.is_dataclass(row) and not isinstance(row, type):
         return dataclasses.asdict(row)
+    if isinstance(row, msgspec.Struct):  # schema.records.TokenEvent
+        return msgspec.structs.asdict(row)
     return repr(row)
 
 

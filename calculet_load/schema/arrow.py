@@ -73,14 +73,22 @@ def leaf_fields(cls: type) -> list[tuple[str, tuple[str, ...], Any]]:
     """(column name, attribute path, python type) for every leaf field, in order."""
     hints = typing.get_type_hints(cls)
     out: list[tuple[str, tuple[str, ...], Any]] = []
-    for f in dataclasses.fields(cls):
-        kind = _scalar(hints[f.name])
+    for field in _field_names(cls):
+        kind = _scalar(hints[field])
         if dataclasses.is_dataclass(kind):
             for name, path, leaf in leaf_fields(kind):  # type: ignore[arg-type]
-                out.append((f"{f.name}.{name}", (f.name, *path), leaf))
+                out.append((f"{field}.{name}", (field, *path), leaf))
         else:
-            out.append((f.name, (f.name,), kind))
+            out.append((field, (field,), kind))
     return out
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's fields, or a msgspec Struct's (schema.records.TokenEvent)."""
+    struct_fields: tuple[str, ...] | None = getattr(cls, "__struct_fields__", None)
+    if struct_fields is not None:
+        return struct_fields
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -209,7 +210,7 @@ def _read(
         verdict = ("fail", f.error_class, f.detail, f.code, f.raw)
     conclude(run, ns, 64, 0)
     fields = dataclasses.asdict(out)
-    fields["token_events"] = [dataclasses.astuple(e) for e in out.token_events]
+    fields["token_events"] = [msgspec.structs.astuple(e) for e in out.token_events]
     return verdict, fields
 
 
