@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -333,3 +335,19 @@ def test_a_clean_sink_is_complete(tmp_path: Path) -> None:
     stats = s.close()
     assert stats.complete and sink.sink_status(dataclasses.asdict(stats)) is None
     assert not list((tmp_path / "client" / "w1").glob("quarantine-*"))
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread niceness here")
+def test_the_writer_thread_yields_the_core(tmp_path: Path) -> None:
+    """The writer runs WRITER_NICENESS nicer than the process: its bursts of conversion
+    and compression must not take the core from the I/O engine's reads."""
+    s = PartSink(str(tmp_path), "w1")
+    deadline = time.monotonic() + 5
+    while s.writer_tid is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.writer_tid is not None and s.writer_tid != threading.get_native_id()
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, s.writer_tid) == min(mine + sink.WRITER_NICENESS, 19)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the process's own is untouched
+    s.add(rec(0), tokens(0))
+    assert s.close().complete
