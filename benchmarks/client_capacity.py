@@ -325,7 +325,7 @@ def sink_once(
 
 def jsonl_once(rows: list[tuple[RequestRecord, list[TokenEvent]]], path: Path) -> float:
     """The reference: every record and token event as a JSON line, written inline."""
-    names = [f.name for f in dataclasses.fields(TokenEvent)]
+    names = list(TokenEvent.__struct_fields__)
     t0 = time.thread_time()
     with open(path, "w", encoding="utf-8") as f:
         lines = iter_jsonl([rec for rec, _ in rows], strict=False)
