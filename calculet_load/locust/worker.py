@@ -515,10 +515,13 @@ FULL_GC_EVERY = 12_500
 # interpreter lock, so the I/O engine's reads wait for it, and a read that waits past the
 # next token stamps the first token with the next one's arrival (docs/measurement.md).
 # At 320 req/s on one core (benchmarks/exact_server.py, 64 tokens 10 ms apart) young
-# collections every 50,000 objects paused 11-14 ms every 2.2 s and middle ones 20-25 ms:
-# TTFT p99 error +10.02 and +10.06 ms in two runs. With 2,000 and 2 the pauses were at
-# most 10-13 ms, rarely: +0.29 and +0.76 ms. CPU per request within the runs' noise
-# (2,858 and 3,131 µs against 2,859 and 2,978).
+# collections every 50,000 objects paused 11-14 ms every 2.2 s (every 5,000, with middle
+# ones every 2, the middle ones paused 15-25 ms). With 2,000 and 2 young pauses were
+# mostly under 2 ms and middle ones up to 10-13 ms; since TokenEvent left the
+# collector's reach (schema.records) none passed 4.6 ms. TTFT p99 error with these
+# thresholds alone was +0.29, +0.76, +10.02, +10.08 and +10.33 ms in five runs (+10.06
+# before): the sink writer's priority did the rest (measure.sink). CPU per request
+# within the runs' noise (2,858 and 3,131 µs against 2,859 and 2,978).
 YOUNG_GC_EVERY = 2_000
 MIDDLE_GC_EVERY = 2
 
