@@ -338,7 +338,7 @@ class Agent:
             timeouts=Timeouts.within(timeout),
             sink=self.sink,
             prompt_reuse=bool(target.get("prompt_reuse")),
-            lane=(int(job["lane"][0]), int(job["lane"][1])) if "lane" in job else (0, 1),
+            lane=(int(job["lane"][0]), int(job["lane"][1])),  # its place in the fleet
         )
         self.watch = SelfWatch(self.sink, self.name, in_flight=lambda: self.session.in_flight)
         self.watch.start()

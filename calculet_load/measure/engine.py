@@ -101,6 +101,7 @@ class IoEngine:
 
     def __init__(self) -> None:
         self.loop, self.kind = _new_loop()
+        self.backlog = _Backlog(self.loop)  # reads waiting to be parsed (a late loop)
         # per controller thread (its hub): finished calls, and the watcher that wakes it
         self._hubs: dict[int, tuple[Any, collections.deque[tuple[Any, Any, bool]]]] = {}
         self._out: dict[int, int] = {}  # calls waiting, per watcher
@@ -375,18 +376,9 @@ class _Backlog:
         self.scheduled = False
 
 
-# one per engine loop (a process has one: IoEngine.shared)
-_BACKLOGS: dict[int, _Backlog] = {}
 # a read: its bytes, whether the peer closed after them, when it returned, the kernel's
 # receive time, when the read before returned; or the socket's error
 _Taken = tuple[bytes, bool, int, "int | None", int] | Fail
-
-
-def _backlog(loop: asyncio.AbstractEventLoop) -> _Backlog:
-    found = _BACKLOGS.get(id(loop))
-    if found is None or found.loop is not loop:
-        found = _BACKLOGS[id(loop)] = _Backlog(loop)
-    return found
 
 
 class _Response(Reads):
@@ -398,15 +390,15 @@ class _Response(Reads):
                  "loop", "queued", "since", "sock", "timer", "timer_at", "tls")  # fmt: skip
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Any, run: Run,
+        self, backlog: _Backlog, sock: socket.socket, conn: Any, run: Run,
         ns: dict[str, int | None], timeouts: Timeouts, deadline: int, cancel: CancelAt,
     ) -> None:  # fmt: skip
         self.tls = isinstance(sock, BioTLS)  # its reads carry stamps too (EnginePool._open)
         stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock
         super().__init__(run, ns, timeouts, deadline, stamps)
-        self.loop, self.sock, self.clock, self.fd = loop, sock, run.clock, sock.fileno()
-        self.backlog = _backlog(loop)
-        self.fut: asyncio.Future[bool] = loop.create_future()
+        self.backlog, self.loop = backlog, backlog.loop
+        self.sock, self.clock, self.fd = sock, run.clock, sock.fileno()
+        self.fut: asyncio.Future[bool] = self.loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = self.expiry = 0  # time.monotonic_ns of the timer, of the limit
         self.since = 0  # time.monotonic_ns of the last read (or of the request's send)
@@ -499,7 +491,7 @@ class _Response(Reads):
             self.run.read_prev = prev
             self.took(data, closed, t, kernel)
             self.gen.send((data, closed))
-            if fresh or self.returned >= self.deadline:
+            if fresh or self.read_at >= self.deadline:
                 self._arm()  # the first bytes end the first-byte wait; past the deadline
         except StopIteration as end:
             self.fut.set_result(end.value)
@@ -574,7 +566,7 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
         if job.cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
-        resp = _Response(loop, sock, conn, run, ns, timeouts, deadline, job.cancel)
+        resp = _Response(pool.engine.backlog, sock, conn, run, ns, timeouts, deadline, job.cancel)
         reusable = await resp.wait()
     except Fail as f:
         fail_into(out, f, job.cancel)

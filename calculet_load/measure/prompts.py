@@ -79,11 +79,10 @@ class Nonce:
 
     Several processes sending to one server (a run's workers) each take a lane `(i, n)`:
     digit 0 is then `i + n * ((seq + salt) mod (A // n))`, so the processes' first tokens
-    never meet (with the salt alone they met whenever two workers' counts drifted by
-    the salts' difference: a real llama-server then served one prompt token from its
-    cache), and each one's
-    consecutive A // n requests differ. Lanes too narrow for that (A // n below
-    MIN_ALPHABET) fall back to the salt alone."""
+    never meet, and each one's consecutive A // n requests differ. (With the salt alone
+    they met whenever two workers' counts drifted by the salts' difference: a real
+    llama-server then served one prompt token from its cache.) Lanes too narrow for that
+    (A // n below MIN_ALPHABET) fall back to the salt alone."""
 
     alphabet: tuple[int, ...] | tuple[str, ...] = dataclasses.field(repr=False)
     width: int

@@ -577,8 +577,8 @@ class Reads:
     bounds the next read, the stamp each read gives its bytes (the kernel's receive time
     where it gives one), the read waits and the first token's late bound."""
 
-    __slots__ = ("deadline", "eof", "first", "last_stamp", "ns", "out", "read_at", "returned",
-                 "run", "stamps", "t", "timeouts")  # fmt: skip
+    __slots__ = ("deadline", "eof", "first", "last_stamp", "ns", "out", "read_at", "run",
+                 "stamps", "t", "timeouts")  # fmt: skip
 
     def __init__(
         self, run: Run, ns: dict[str, int | None], timeouts: Timeouts, deadline: int,
@@ -587,10 +587,10 @@ class Reads:
         self.ns, self.timeouts, self.deadline = ns, timeouts, deadline
         self.run = run
         self.out = run.out
-        self.returned = 0  # when the last read taken (`took`) returned
-        self.t = 0  # the stamp of the last read taken
-        self.read_at = 0  # when the last read with bytes returned (`stamped_read`: taken or not)
-        self.last_stamp = 0  # ... and its stamp
+        self.t = 0  # the stamp of the last read taken (`took`)
+        # when the last read with bytes returned, and its stamp (`stamped_read`: taken by
+        # `took` at once, or later when the thread engine's loop is late)
+        self.read_at = self.last_stamp = 0
         self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
         self.eof = False
         self.stamps = stamps  # reads carry the kernel's receive time
@@ -652,7 +652,6 @@ class Reads:
         True when it was stamped with the read's own time (other streams may want theirs
         before this one parses)."""
         out = self.out
-        self.returned = t
         by_read = False
         if kernel is not None:
             # The kernel's receive time: what the bytes waited for this read (the loop's
