@@ -15,11 +15,15 @@ Three figures per cell tell how far off a process's timings can be, from its own
                    the arrival law, and hides queueing from latency-from-send); not of
                    a stale retry, whose first send kept the schedule
     start_to_sent_ms
-                   on a kept-alive connection, the start stamp t0 to the request written
-                   (t1): no connect is in it, only a non-blocking write, so what is more
-                   than that is the client's own wait (its loop, or the interpreter lock
-                   the engine thread shares), which every duration from t0 (TTFT) would
-                   carry and neither figure above sees
+                   the start stamp t0 to the request written (t1), less a new
+                   connection's connect and TLS handshake (`ext.connect_ms`, the
+                   request's own wait on the network): what is left is a non-blocking
+                   write, so what is more than that is the client's own wait (its loop,
+                   or the interpreter lock the engine thread shares), which every
+                   duration from t0 (TTFT) would carry and neither figure above sees.
+                   A connect that had to wait for the network keeps the loop's lag in
+                   noticing it inside `connect_ms` (on loopback and on the same host
+                   the kernel connects within the call: nothing of the loop is in it)
 
 At the end of a Locust run the master adds up every worker's histograms; a cell whose
 P99 of any of them passes the run's budget (`--accuracy-ms`, 10 ms by default) is named, and
@@ -75,8 +79,12 @@ class Accuracy:
         if e.send_lag_ms is not None and not e.stale_retry:
             hists["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
         t0, t1 = record.client_ns.request_start, record.client_ns.headers_sent
-        if e.connection_reused and not e.stale_retry and t0 is not None and t1 is not None:
+        if e.stale_retry or t0 is None or t1 is None:
+            return
+        if e.connection_reused:
             hists["start_to_sent_ms"].add(max(t1 - t0, 0) / 1e6)
+        elif e.connect_ms is not None:  # records written before it had no connect_ms
+            hists["start_to_sent_ms"].add(max((t1 - t0) / 1e6 - e.connect_ms, 0.0))
 
     def to_wire(self) -> dict[str, Any]:
         return {

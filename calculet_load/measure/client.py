@@ -304,7 +304,10 @@ def _attempt(
     deadline = t0 + int(timeouts.total_s * 1e9)
     try:
         try:
+            began = clock.mono_ns()
             sock, out.connection_reused = pool.acquire(timeouts.connect_s, fresh=fresh)
+            if not out.connection_reused:
+                out.connect_ns = clock.mono_ns() - began
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
         sock.settimeout(max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001))

@@ -553,7 +553,9 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
                 raise taken
             out.connection_reused = sock is not None
             if sock is None:
+                began = clock.mono_ns()
                 sock = await pool.open_new(timeouts.connect_s)
+                out.connect_ns = clock.mono_ns() - began
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
         limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)

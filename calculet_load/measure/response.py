@@ -126,6 +126,9 @@ class Outcome:
     unanswered: bool = False  # the connection closed before a single response byte
     stale_retry: bool = False  # sent again on a new connection: the kept-alive one was closed
     connection_reused: bool | None = None
+    # a new connection: its connect and TLS handshake (ns), the wait that is the
+    # request's own, not the client's (the self-check leaves it out of start-to-sent)
+    connect_ns: int | None = None
     cancelled_at: str | None = None
     nonfinite: bool = False
     invalid_value: str | None = None  # the offending raw value of a failure, bounded text

@@ -224,6 +224,7 @@ def make_record(
             token_count_source=out.count_source,
             token_count_mismatch=out.token_count_mismatch,
             connection_reused=out.connection_reused,
+            connect_ms=out.connect_ns / 1e6 if out.connect_ns is not None else None,
             cancelled_at=out.cancelled_at,
             corpus_sample_id=spec.prompt.sample_id,
             sampling=spec.sampling,

@@ -133,6 +133,8 @@ class Ext:
     token_count_source: str | None = None  # usage | tokens_predicted | chunks (fallback)
     token_count_mismatch: bool = False
     connection_reused: bool | None = None
+    # a new connection's connect and TLS handshake, ms (null: a kept-alive connection)
+    connect_ms: float | None = None
     cancelled_at: str | None = None
     corpus_sample_id: str | None = None
     sampling: str | None = None  # greedy | seeded
@@ -176,6 +178,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.stamp_source",
     "ext.read_wait_ms",
     "ext.stamp_late_bound_ms",
+    "ext.connect_ms",
 )
 
 

@@ -52,13 +52,15 @@ def test_workers_reports_add_up_through_json() -> None:
     assert check_reports([{"worker": "w00"}], 10.0) == []  # a report without it
 
 
-def _written(cell: str, start_to_sent_ms: float, reused: bool) -> RequestRecord:
+def _written(
+    cell: str, start_to_sent_ms: float, reused: bool, connect_ms: float | None = None
+) -> RequestRecord:
     t0 = 1_000_000_000
     return RequestRecord(
         run_id="r",
         request_id="x",
         client_ns=ClientNs(request_start=t0, headers_sent=t0 + int(start_to_sent_ms * 1e6)),
-        ext=Ext(cell=cell, connection_reused=reused),
+        ext=Ext(cell=cell, connection_reused=reused, connect_ms=connect_ms),
     )
 
 
@@ -72,6 +74,24 @@ def test_a_wait_between_the_start_stamp_and_the_write_is_named() -> None:
     assert acc.problems(10.0) == []
     for _ in range(10):
         acc.observe(_written("c", 30.0, reused=True))  # 9 % of the kept-alive sends waited
+    (problem,) = acc.problems(10.0)
+    assert problem.startswith("c: start to sent P99 ")
+    assert 29.0 < float(problem.split("P99 ")[1].split(" ms")[0]) < 31.0
+
+
+def test_a_new_connections_wait_beyond_its_connect_is_named() -> None:
+    """A new connection's connect (`ext.connect_ms`) is the request's; the rest of its
+    start-to-sent is the client's, as on a kept-alive connection. A record without
+    connect_ms (written before it existed) says nothing of it."""
+    acc = Accuracy()
+    for _ in range(100):
+        acc.observe(_written("c", 40.05, reused=False, connect_ms=40.0))  # its connect
+        acc.observe(_written("c", 40.0, reused=False))  # no connect_ms: not counted
+    assert acc.problems(10.0) == []
+    assert acc.cells["c"]["start_to_sent_ms"].count == 100
+    assert acc.cells["c"]["start_to_sent_ms"].max <= 0.06
+    for _ in range(10):
+        acc.observe(_written("c", 70.0, reused=False, connect_ms=40.0))  # 30 ms after it
     (problem,) = acc.problems(10.0)
     assert problem.startswith("c: start to sent P99 ")
     assert 29.0 < float(problem.split("P99 ")[1].split(" ms")[0]) < 31.0

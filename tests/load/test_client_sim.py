@@ -430,6 +430,9 @@ def test_keep_alive_reuses_the_connection(pool: ConnectionPool) -> None:
     assert second.connection_reused is True
     assert third.connection_reused is True
     assert pool.open == 1
+    # the new connection's connect, on loopback within the call: well under a second
+    assert first.connect_ns is not None and 0 < first.connect_ns < 1_000_000_000
+    assert second.connect_ns is None and third.connect_ns is None
 
 
 def test_pool_sized_to_the_cap_refuses_instead_of_queueing(fast_sim: SimProcess) -> None:

@@ -177,3 +177,61 @@ def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
     assert found, problem
     p99 = float(found[1])
     assert min(gaps[1:]) * 0.98 <= p99 <= max(gaps[1:]) * 1.02, (p99, gaps)
+
+
+def _one_new_connection(fast_sim: SimProcess) -> RequestRecord:
+    session = Session(RunContext("conn", "w00"), fast_sim.url, "llama", io_engine="thread")
+    records: list[RequestRecord] = []
+    session.hooks.append(lambda record, _out: records.append(record))
+    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
+    try:
+        gevent.spawn(session.send, spec).get(timeout=30)
+    finally:
+        session.close()
+    (record,) = records
+    assert record.ext.error_class is None and record.ext.connection_reused is False
+    return record
+
+
+def test_a_new_connection_held_up_after_its_connect_is_flagged(
+    fast_sim: SimProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new connection's connect is the request's (`ext.connect_ms`); the client's own
+    wait after it, before the write, is not: the start-to-sent figure counts it."""
+    real = engine._send_all
+
+    async def held_up(*args: Any) -> None:
+        time.sleep(0.03)  # blocks the engine's loop between the connect and the write
+        await real(*args)
+
+    monkeypatch.setattr(engine, "_send_all", held_up)
+    record = _one_new_connection(fast_sim)
+    assert record.ext.connect_ms is not None and 0 < record.ext.connect_ms < 30.0
+    gap = (record.client_ns.headers_sent - record.client_ns.request_start) / 1e6
+    acc = Accuracy()
+    acc.observe(record)
+    (problem,) = acc.problems(10.0)
+    found = re.search(r"start to sent P99 ([\d.]+) ms", problem)
+    assert found, problem
+    assert 30.0 * 0.98 <= float(found[1]) <= (gap - record.ext.connect_ms) * 1.02 + 0.1
+
+
+def test_a_slow_connect_is_the_requests_and_not_flagged(
+    fast_sim: SimProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connect that waits 30 ms on the network (here: on the loop's timer, as a
+    handshake's round trips would) is in `ext.connect_ms` and TTFT, not the self-check."""
+    real = engine._connect
+
+    async def slow(*args: Any) -> None:
+        await engine.asyncio.sleep(0.03)
+        await real(*args)
+
+    monkeypatch.setattr(engine, "_connect", slow)
+    record = _one_new_connection(fast_sim)
+    assert record.ext.connect_ms is not None and record.ext.connect_ms >= 30.0
+    gap = (record.client_ns.headers_sent - record.client_ns.request_start) / 1e6
+    assert gap >= record.ext.connect_ms
+    acc = Accuracy()
+    acc.observe(record)
+    assert acc.problems(10.0) == []
