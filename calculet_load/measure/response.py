@@ -228,9 +228,9 @@ class Run:
 
     def on_plain(self, data: bytes, size: int, t: int) -> bool:
         """The data of an event that is one `data:` line, `size` bytes of the stream in all
-        (`_PLAIN_CHUNK`), of the adapter's common shape (`Adapter.fast_event`): read and
-        accounted as `on_sse` would, True. False when it is anything else; nothing was
-        consumed, and `on_sse` reads it."""
+        (a plain chunk: `_chunked`), of the adapter's common shape (`Adapter.fast_event`):
+        read and accounted as `on_sse` would, True. False when it is anything else;
+        nothing was consumed, and `on_sse` reads it."""
         if self.done:
             return False
         if not data.isascii():
@@ -754,9 +754,15 @@ def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
         raise Fail("cancelled", f"cancelled at {out.cancelled_at}")
 
 
-# A whole chunk of one SSE event of one `data: ` line: a plain size line (hex digits, no
-# extension), the line, the blank line, the chunk's CRLF. Its size must match (`_chunked`).
-_PLAIN_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,20})\r\ndata: ([^\r\n]*)\n\n\r\n")
+# A plain chunk: a whole chunk of one SSE event of one `data: ` line. Its head is a plain
+# size line (1 to 20 hex digits, no extension) and `data: ` (`_PLAIN_HEAD`); then the
+# data, which holds no CR and no LF, the blank line and the chunk's CRLF (`_PLAIN_END`),
+# the size counting from `data: ` to the blank line (`_chunked`). The data's end is found
+# from the size, and checked with `find` (memchr): a regular expression's `[^\r\n]*`
+# matched it byte by byte (2.0 µs for an OpenAI completions chunk of 229 bytes, against
+# 0.9-1.0 µs so; a token event through `respond` in a hot loop: 5.6-5.7 µs, from 6.5-6.8).
+_PLAIN_HEAD = re.compile(rb"([0-9A-Fa-f]{1,20})\r\ndata: ")
+_PLAIN_END = b"\n\n\r\n"
 
 
 def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> Respond:
@@ -765,10 +771,11 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
 
     The fast path: when the decoder is between chunks and the SSE parser between events,
     while a read's next bytes are a whole chunk holding exactly one event of one `data: `
-    line (`_PLAIN_CHUNK`, its size checked) of the adapter's common shape (`Run.on_plain`),
-    that event is read from the bytes as they are; at the first that is not, nothing of
-    it consumed, the rest of the read goes the general way (`ChunkedDecoder.feed`,
-    `Run.on_sse`). The outcome is the same either way (tests/load/test_fastpath.py)."""
+    line (a plain chunk, its size checked: `_PLAIN_HEAD`) of the adapter's common shape
+    (`Run.on_plain`), that event is read from the bytes as they are; at the first that is
+    not, nothing of it consumed, the rest of the read goes the general way
+    (`ChunkedDecoder.feed`, `Run.on_sse`). The outcome is the same either way
+    (tests/load/test_fastpath.py)."""
     run = rd.run
     quick = cancel is None and run.adapter.fast
     data = b""
@@ -777,11 +784,20 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
         pos = 0
         if quick and body.between and run.parser.between:
             end, limit = len(data), run.parser.max_line_bytes
-            while pos < end and (m := _PLAIN_CHUNK.match(data, pos)) is not None:
-                size = m.end(2) - m.start(2) + 8  # "data: " + the data + "\n\n"
-                if int(m[1], 16) != size or size - 2 > limit or not run.on_plain(m[2], size, rd.t):
+            while pos < end and (m := _PLAIN_HEAD.match(data, pos)) is not None:
+                size = int(m[1], 16)  # "data: " + the data + "\n\n"
+                start = m.end()
+                stop = start + size - 8  # the data's end
+                if (
+                    size < 8
+                    or size - 2 > limit
+                    or data[stop : stop + 4] != _PLAIN_END
+                    or data.find(b"\n", start, stop) >= 0
+                    or data.find(b"\r", start, stop) >= 0
+                    or not run.on_plain(data[start:stop], size, rd.t)
+                ):
                     break
-                pos = m.end()
+                pos = stop + 4
         try:
             if pos == len(data) > 0:  # all of it read on the fast path
                 chunk = b""

@@ -1,7 +1,7 @@
 """The event stream's fast path (issue 18) reads exactly what the general path reads.
 
 `measure.response._chunked` reads a whole chunk holding one plain `data: ` event of the
-common OpenAI shape straight from the read's bytes (`_PLAIN_CHUNK`, `Run.on_plain`,
+common OpenAI shape straight from the read's bytes (`_PLAIN_HEAD`, `Run.on_plain`,
 `OpenAIAdapter.fast_event`: msgspec decodes and type-checks it in C), and hands
 everything else to the general path (`ChunkedDecoder.feed`, `SSEParser.feed`,
 `OpenAIAdapter.event`). Each stream here is read twice, split into the same reads: once
