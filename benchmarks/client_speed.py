@@ -14,6 +14,10 @@ records its own send times. Each client runs alone, pinned to core 0:
   (`calculet:thread`, `calculet:gevent`).
 - `reference`: benchmarks/ref_client.py (asyncio + uvloop when installed, stamps at the
   byte's arrival, nothing else).
+- `floor` (when asked: `--clients reference,floor,calculet`): the same client reading in
+  Python with the kernel's stamp of each read (`ref_client.py --python-reads`), as
+  calculet-load reads: the CPU any Python read loop with kernel stamps pays before it
+  parses a byte, as a multiple of the reference's in the same run.
 - `--peers`: inference-perf in its own venv (installed on first use under
   `--peers-dir`), when it installs.
 
@@ -320,11 +324,13 @@ def read_calculet(run_dir: Path, p: Point) -> dict[str, Any]:
 
 
 def run_reference(
-    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None
-) -> None:
-    out = tmp / f"ref-{p.mode}-{p.level:g}.jsonl"
+    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None,
+    python_reads: bool = False,
+) -> None:  # fmt: skip
+    out = tmp / f"{p.client}-{p.mode}-{p.level:g}.jsonl"
     cmd = [*taskset(core), sys.executable, str(REFERENCE), "--url", server.url]
     cmd += ["--seconds", str(seconds), "--out", str(out)]
+    cmd += ["--python-reads"] if python_reads else []
     cmd += ["--rate", str(p.level)] if p.mode == "poisson" else ["--concurrency", str(int(p.level))]
     window = CpuWindow(server)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -622,6 +628,8 @@ def main() -> None:
                         run_calculet(server, p, args.seconds, tmp, client_core, tree)
                     elif client == "reference":
                         run_reference(server, p, args.seconds, tmp, client_core)
+                    elif client == "floor":
+                        run_reference(server, p, args.seconds, tmp, client_core, True)
                     elif client == "inference-perf" and peer_py is not None:
                         run_inference_perf(server, p, args.seconds, tmp, client_core, peer_py)
                     else:
@@ -644,6 +652,12 @@ def main() -> None:
         print(f"  {name} against issue 18's targets, in this run:")
         for line in target_lines([p for p in points if p.client == name]):
             print(f"    {line}")
+    floor = [p.cpu_ratio for p in points if p.client == "floor" and p.cpu_ratio]
+    if floor:
+        print(
+            f"  floor: a Python read loop with kernel stamps, parsing nothing, took "
+            f"{min(floor):.2f}x to {max(floor):.2f}x the reference's CPU per request"
+        )
     print(MEANING)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(p) for p in points], indent=1))

@@ -8,8 +8,15 @@ Keep-alive connections, a fixed 128-id prompt (unique by its first id), the requ
 
 Writes one JSON line per request to `--out`: [request id, t0, [token arrival ns...], ok].
 
+`--python-reads`: the floor of a Python read loop that stamps the way calculet-load
+does. Each socket's reads are a Python callback on the loop (`add_reader`), each a
+`recvmsg` carrying the kernel's receive time (SO_TIMESTAMPNS), which stamps the read's
+tokens; the rest is as above. What this costs over uvloop's C transport is what any
+Python client with kernel stamps pays before it parses a byte (docs/measurement.md:
+benchmarks/client_speed.py runs it as client `floor`).
+
 Usage: python benchmarks/ref_client.py --url http://127.0.0.1:PORT --seconds 10
-       (--rate 80 | --concurrency 16) --out FILE
+       (--rate 80 | --concurrency 16) --out FILE [--python-reads]
 """
 
 from __future__ import annotations
@@ -18,8 +25,16 @@ import argparse
 import asyncio
 import json
 import random
+import socket
+import struct
 import time
 from typing import Any
+
+# Linux: the kernel's receive time of each read (CLOCK_REALTIME), as calculet-load asks
+# for it (calculet_load.measure.response), not imported: this client stands alone.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+TIMESPEC = struct.Struct("@ll")
+CMSG_SPACE = socket.CMSG_SPACE(TIMESPEC.size)
 
 
 class Conn(asyncio.Protocol):
@@ -35,13 +50,18 @@ class Conn(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
         if self.done is not None and not self.done.done():
             self.done.set_result(False)
 
     def data_received(self, data: bytes) -> None:
-        t = time.monotonic_ns()
+        self.data_received_at(data, time.monotonic_ns())
+
+    def data_received_at(self, data: bytes, t: int) -> None:
         buf = self.buf + data
         cut = buf.rfind(b"\n\n")
         if cut < 0:
@@ -56,8 +76,46 @@ class Conn(asyncio.Protocol):
             self.done.set_result(True)
 
 
+class PyConn(Conn):
+    """`--python-reads`: the same bookkeeping, read by a Python callback on the loop with
+    the kernel's stamp of each read (moved onto the monotonic clock)."""
+
+    __slots__ = ("loop", "sock")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        super().__init__()
+        self.loop, self.sock = loop, sock
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        loop.add_reader(sock.fileno(), self.readable)
+
+    def readable(self) -> None:
+        try:
+            data, anc, _, _ = self.sock.recvmsg(65536, CMSG_SPACE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, anc = b"", []
+        t = time.monotonic_ns()
+        if not data:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.connection_lost(None)
+            return
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                sec, nsec = TIMESPEC.unpack_from(raw)
+                t = sec * 1_000_000_000 + nsec - (time.time_ns() - t)
+        self.data_received_at(data, t)
+
+    def write(self, data: bytes) -> None:
+        self.sock.send(data)  # a request's few hundred bytes fit an empty send buffer
+
+
 class Client:
-    def __init__(self, host: str, port: int, max_tokens: int, prompt_tokens: int) -> None:
+    def __init__(
+        self, host: str, port: int, max_tokens: int, prompt_tokens: int, python_reads: bool
+    ) -> None:
+        self.python_reads = python_reads
         self.host, self.port = host, port
         self.idle: list[Conn] = []
         self.results: list[list[Any]] = []
@@ -91,14 +149,20 @@ class Client:
             if not c.lost:
                 conn = c
                 break
-        if conn is None:
+        if conn is None and self.python_reads:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, (self.host, self.port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = PyConn(loop, sock)
+        elif conn is None:
             _, conn = await loop.create_connection(Conn, self.host, self.port)
         assert conn is not None
         conn.stamps = []
         conn.buf = b""
         conn.done = loop.create_future()
         t0 = time.monotonic_ns()
-        conn.transport.write(head + body)
+        conn.write(head + body)
         ok = await conn.done
         self.results.append([rid, t0, conn.stamps, ok])
         if ok:
@@ -108,7 +172,7 @@ class Client:
 async def run(args: argparse.Namespace) -> None:
     hostport = args.url.removeprefix("http://").rstrip("/")
     host, port = hostport.rsplit(":", 1)
-    client = Client(host, int(port), args.max_tokens, args.prompt_tokens)
+    client = Client(host, int(port), args.max_tokens, args.prompt_tokens, args.python_reads)
     loop = asyncio.get_running_loop()
     end = time.monotonic() + args.seconds
     tasks: set[asyncio.Task[None]] = set()
@@ -148,6 +212,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-uvloop", action="store_true")
+    ap.add_argument(
+        "--python-reads", action="store_true", help="read in Python with kernel stamps (floor)"
+    )
     args = ap.parse_args()
     if not args.no_uvloop:
         try:

@@ -1,5 +1,6 @@
-"""A smoke of benchmarks/client_speed.py (issue 18): two short points, the reference and
-calculet-load on both I/O engines (--io-engine gevent,thread).
+"""A smoke of benchmarks/client_speed.py (issue 18): two short points, the reference, the
+Python read floor (`ref_client.py --python-reads`) and calculet-load on both I/O engines
+(--io-engine gevent,thread).
 
 Checks the machinery, not the figures (those need a quiet machine and their own run):
 the exact server answers, both clients' figures are read and compared with the server's
@@ -32,6 +33,8 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
             "--no-pin",
             "--io-engine",
             "gevent,thread",
+            "--clients",
+            "reference,floor,calculet",
             "--json",
             str(out),
         ],
@@ -48,12 +51,15 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     points = json.loads(out.read_text())
     assert [(p["client"], p["mode"], p["level"]) for p in points] == [
         ("reference", "poisson", 20.0),
+        ("floor", "poisson", 20.0),
         ("calculet:gevent", "poisson", 20.0),
         ("calculet:thread", "poisson", 20.0),
         ("reference", "closed", 4.0),
+        ("floor", "closed", 4.0),
         ("calculet:gevent", "closed", 4.0),
         ("calculet:thread", "closed", 4.0),
     ]
+    assert "floor: a Python read loop with kernel stamps, parsing nothing, took " in done.stdout
     for p in points:
         assert p["requests"] >= 10, p  # counted by the server
         assert p["failed"] == 0, p
@@ -63,7 +69,8 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
         assert -1.0 < p["err"]["ttft_p50"] < 1000.0, p
         assert p["cpu_us_per_request"] > 0, p
     ours = [p for p in points if p["client"].startswith("calculet")]
-    assert all(p["cpu_ratio"] > 0 for p in ours), ours
+    floor = [p for p in points if p["client"] == "floor"]
+    assert all(p["cpu_ratio"] > 0 for p in ours + floor), ours + floor
     assert all(p["verdict"].startswith("locust exit ") for p in ours), ours
 
 
