@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import select
 import shutil
@@ -652,7 +653,7 @@ def main() -> None:
         print(f"  {name} against issue 18's targets, in this run:")
         for line in target_lines([p for p in points if p.client == name]):
             print(f"    {line}")
-    floor = [p.cpu_ratio for p in points if p.client == "floor" and p.cpu_ratio]
+    floor = [p.cpu_ratio for p in points if p.client == "floor" and math.isfinite(p.cpu_ratio)]
     if floor:
         print(
             f"  floor: a Python read loop with kernel stamps, parsing nothing, took "

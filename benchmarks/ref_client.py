@@ -108,7 +108,9 @@ class PyConn(Conn):
         self.data_received_at(data, t)
 
     def write(self, data: bytes) -> None:
-        self.sock.send(data)  # a request's few hundred bytes fit an empty send buffer
+        sent = self.sock.send(data)  # a request's few hundred bytes fit an empty buffer
+        if sent != len(data):
+            raise RuntimeError(f"sent {sent} of the request's {len(data)} bytes")
 
 
 class Client:

@@ -21,9 +21,12 @@ Three figures per cell tell how far off a process's timings can be, from its own
                    write, so what is more than that is the client's own wait (its loop,
                    or the interpreter lock the engine thread shares), which every
                    duration from t0 (TTFT) would carry and neither figure above sees.
-                   A connect that had to wait for the network keeps the loop's lag in
-                   noticing it inside `connect_ms` (on loopback and on the same host
-                   the kernel connects within the call: nothing of the loop is in it)
+                   Both engines wait on their loop only when the kernel has not
+                   connected the socket by the time `connect` returns (on loopback and on
+                   the same host it usually has: measure.client.connect_now); a connect
+                   that waits, a TLS handshake (its round trips) and a process's first
+                   name lookup keep the loop's lag in noticing them inside `connect_ms`,
+                   where this figure does not see it
 
 At the end of a Locust run the master adds up every worker's histograms; a cell whose
 P99 of any of them passes the run's budget (`--accuracy-ms`, 10 ms by default) is named, and

@@ -24,7 +24,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import errno
 import math
 import os
 import socket
@@ -39,7 +38,7 @@ from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.client import ConnectionPool, Endpoint, stale
+from calculet_load.measure.client import ConnectionPool, Endpoint, connect_now, stale
 from calculet_load.measure.protocols import Adapter
 from calculet_load.measure.response import (
     CMSG_SPACE,
@@ -270,25 +269,14 @@ async def _connect(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, sockaddr: Any, timeout_s: float
 ) -> None:
     """Connect the non-blocking `sock`, waiting on the loop only when the kernel has not
-    connected it by the time `connect` returns (on loopback it has: the handshake runs
-    inside the call). Why not `asyncio.wait_for(loop.sock_connect(...))`: its task and
-    callbacks take four or five passes of the loop, and a loop that is late by a few ms a
-    pass made a new connection's request wait 13-100 ms between its start stamp and its
-    send at 320 req/s on one core (`benchmarks/client_speed.py`): TTFT that long."""
-    err = sock.connect_ex(sockaddr)
-    if err in _IN_PROGRESS:
+    connected it by the time `connect` returns (`connect_now`). Not
+    `asyncio.wait_for(loop.sock_connect(...))`: its task and callbacks take four or five
+    passes of the loop, each a few ms late when the loop is busy."""
+    if not connect_now(sock, sockaddr):
+        await _ready(loop, sock.fileno(), True, timeout_s)
         err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if not err:
-            try:
-                sock.getpeername()  # connected already (ENOTCONN: the handshake goes on)
-            except OSError:
-                await _ready(loop, sock.fileno(), True, timeout_s)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    if err:
-        raise OSError(err, os.strerror(err))  # ConnectionRefusedError and the like
-
-
-_IN_PROGRESS = (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY)
+        if err:
+            raise OSError(err, os.strerror(err))  # ConnectionRefusedError and the like
 
 
 async def _handshake(loop: asyncio.AbstractEventLoop, sock: BioTLS) -> None:

@@ -133,7 +133,8 @@ class Ext:
     token_count_source: str | None = None  # usage | tokens_predicted | chunks (fallback)
     token_count_mismatch: bool = False
     connection_reused: bool | None = None
-    # a new connection's connect and TLS handshake, ms (null: a kept-alive connection)
+    # a new connection's connect and TLS handshake (and a process's first name lookup),
+    # ms (null: a kept-alive connection)
     connect_ms: float | None = None
     cancelled_at: str | None = None
     corpus_sample_id: str | None = None

@@ -377,7 +377,9 @@ def test_token_events_are_delta_encoded_and_read_back_exactly(tmp_path: Path) ->
     assert set(sink.TOKENS_ENCODING["column_encoding"]) | {"request_id"} == set(names)
     chunks = pq.ParquetFile(part).metadata.row_group(0)
     used = {chunks.column(i).path_in_schema: chunks.column(i).encodings for i in range(5)}
-    assert "DELTA_BINARY_PACKED" in used["arrival_ns"], used
+    for name in ("event_index", "arrival_ns", "tokens", "server_cumulative"):
+        assert "DELTA_BINARY_PACKED" in used[name], used
+        assert "RLE_DICTIONARY" not in used[name], used
     assert "RLE_DICTIONARY" in used["request_id"], used
     back = read_table(str(tmp_path), "tokens").to_pylist()
     assert back == [msgspec.structs.asdict(ev) for ev in written]
