@@ -36,6 +36,8 @@ Usage:
       --seconds 20 --clients calculet,reference --json out.json
   .venv/bin/python benchmarks/client_speed.py --rates 20,80,160,320 --concurrency 64,256 \
       --io-engine gevent,thread                                 # both engines, the reference
+  .venv/bin/python benchmarks/client_speed.py --clients reference,floor,calculet \
+      --rates 20,80,320 --concurrency 256                       # with the Python read floor
 """
 
 from __future__ import annotations
