@@ -131,9 +131,9 @@ _IN_PROGRESS = (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY)
 
 def connect_now(sock: socket.socket, sockaddr: Any) -> bool:
     """Start connecting the non-blocking `sock`: True when the kernel has connected it by
-    the time `connect` returns (on loopback and on the same host it has: the handshake
-    runs inside the call), False when the handshake goes on (the caller waits for the
-    socket to be writable). A refused or failed connect raises OSError.
+    the time `connect` returns (on loopback and on the same host it usually has: the
+    handshake runs inside the call), False when the handshake goes on (the caller waits
+    for the socket to be writable). A refused or failed connect raises OSError.
 
     Why not wait in any case: a wait hands the thread to its loop (the engine's, or
     gevent's hub, whose own `connect` always waits after EINPROGRESS), and the loop's

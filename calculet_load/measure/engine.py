@@ -475,10 +475,8 @@ class _Response(Reads):
             if isinstance(taken, Fail):
                 self.out.unanswered = not self.first
                 raise taken
-            data, closed, t, kernel, prev = taken
-            self.run.read_prev = prev
-            self.took(data, closed, t, kernel)
-            self.gen.send((data, closed))
+            self.took(*taken)
+            self.gen.send((taken[0], taken[1]))
             if fresh or self.read_at >= self.deadline:
                 self._arm()  # the first bytes end the first-byte wait; past the deadline
         except StopIteration as end:

@@ -616,9 +616,8 @@ class Reads:
     def receive(self, sock: socket.socket, clock: Clock, tls: bool) -> tuple[bytes, bool, bool]:
         """Read what `sock` holds, stamp it and take it (`stamped_read`, then `took`): (the bytes,
         whether the peer closed after them, whether the stamp is the read's own time)."""
-        data, closed, t, kernel, prev = self.stamped_read(sock, clock, tls)
-        self.run.read_prev = prev
-        return data, closed, self.took(data, closed, t, kernel)
+        taken = self.stamped_read(sock, clock, tls)
+        return taken[0], taken[1], self.took(*taken)
 
     def stamped_read(
         self, sock: socket.socket, clock: Clock, tls: bool
@@ -650,10 +649,14 @@ class Reads:
             self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
         return data, closed, t, kernel, prev
 
-    def took(self, data: bytes, closed: bool, t: int, kernel: int | None) -> bool:
-        """A read returned `data` at `t` (`kernel`: its bytes' receive time, or None);
-        True when it was stamped with the read's own time (other streams may want theirs
-        before this one parses)."""
+    def took(
+        self, data: bytes, closed: bool, t: int, kernel: int | None, prev: int | None = None
+    ) -> bool:
+        """A read returned `data` at `t` (`kernel`: its bytes' receive time, or None; `prev`:
+        when the read before it returned): what `stamped_read` gives, now or later. True
+        when it was stamped with the read's own time (other streams may want theirs before
+        this one parses)."""
+        self.run.read_prev = prev
         out = self.out
         by_read = False
         if kernel is not None:
