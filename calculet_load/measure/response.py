@@ -487,12 +487,15 @@ def prepare(
 
 
 def wire(request: tuple[str, list[tuple[str, str]], bytes]) -> tuple[h11.Connection, bytes]:
-    """A new HTTP/1.1 client connection state and the request's bytes."""
+    """A new HTTP/1.1 client connection state and the request's bytes: h11 checks and
+    writes the head; the body follows it as it is (its Content-Length is in the head).
+    h11 is not told of the body (`h11.Data`, `h11.EndOfMessage`: a third of this call,
+    about 30 µs a request on a busy engine thread), so its side of the connection stays
+    in SEND_BODY; the caller writes every byte or fails the request, and `respond` judges
+    reuse by the response's state alone."""
     target, headers, payload = request
     conn = h11.Connection(h11.CLIENT)
-    data = conn.send(h11.Request(method="POST", target=target, headers=headers))
-    data += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
-    return conn, data
+    return conn, conn.send(h11.Request(method="POST", target=target, headers=headers)) + payload
 
 
 def connect_fail(exc: BaseException, max_connections: int) -> Fail:
@@ -745,7 +748,8 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
         elif isinstance(event, h11.EndOfMessage):
             ns["t6"] = t
             finish(run, status, t)
-            return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+            # the request's body was written whole (`wire`): the response decides
+            return conn.their_state is h11.DONE
         elif isinstance(event, h11.ConnectionClosed):
             raise Fail("connection_reset", "connection closed before the response ended")
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import gevent
+import h11
 import pyarrow.parquet as pq
 import pytest
 
@@ -43,6 +44,7 @@ from calculet_load.measure.client import (
 from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
+from calculet_load.measure.response import wire
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
@@ -834,6 +836,27 @@ def test_interim_100_continue_is_skipped() -> None:
     out = play([b"HTTP/1.1 100 Continue\r\n\r\n", Sleep(0.02), http(SHORT_LLAMA, "chunked")])
     assert out.ok, out.error_detail
     assert (out.http_status, out.output_tokens) == (200, VALID_TOKENS)
+
+
+def test_the_request_is_what_h11_writes_and_reuse_follows_the_response() -> None:
+    """`wire` has h11 write the head only and appends the body: the bytes are h11's whole
+    request, and with h11 left in SEND_BODY the response alone decides reuse."""
+    body = '{"text":"\u00e9"}'.encode()
+    request = ("/v1/completions", [("Host", "x"), ("Content-Length", str(len(body)))], body)
+    whole = h11.Connection(h11.CLIENT)
+    sent = whole.send(h11.Request(method="POST", target=request[0], headers=request[1]))
+    sent += whole.send(h11.Data(data=request[2])) + whole.send(h11.EndOfMessage())
+    for reply, reusable in (
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+    ):
+        conn, data = wire(request)
+        assert data == sent
+        conn.receive_data(reply)
+        while not isinstance(conn.next_event(), h11.EndOfMessage):
+            pass
+        assert (conn.their_state is h11.DONE) is reusable
 
 
 def test_connection_close_header_is_honoured() -> None:
