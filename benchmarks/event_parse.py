@@ -17,8 +17,12 @@ the steady middle, next to what the same run measured for the other path. A hot 
 (Part 1) runs the same Python 2-3 times faster than a real read loop on this VM: Part 2
 is what a request costs the engine.
 
+Part 3 (`--split`, two cores): the engine alone again, fast path on, at 1 and at 64
+tokens a response: a token event's cost (its read and its parse) and a request's own.
+
 Usage: .venv/bin/python benchmarks/event_parse.py [--repeat 2000]
        .venv/bin/python benchmarks/event_parse.py --engine --rate 320 --seconds 12
+       .venv/bin/python benchmarks/event_parse.py --split --repeat 200
 """
 
 from __future__ import annotations
@@ -124,8 +128,11 @@ def thread_cpu_s(tid: int) -> float:
     return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
 
 
-def engine_alone(url: str, proto: str, fast: bool, rate: float, seconds: float) -> float:
-    """The engine thread's CPU per request (µs) over the steady middle of a run."""
+def engine_alone(
+    url: str, proto: str, fast: bool, rate: float, seconds: float, tokens: int = 64
+) -> float:
+    """The engine thread's CPU per request (µs) over the steady middle of a run of
+    `tokens`-token responses."""
     from calculet_load.measure.client import Endpoint
     from calculet_load.measure.engine import EnginePool, IoEngine, _execute, _Job
     from calculet_load.measure.response import prepare
@@ -134,7 +141,7 @@ def engine_alone(url: str, proto: str, fast: bool, rate: float, seconds: float) 
     engine = IoEngine.shared()
     pool = EnginePool(Endpoint(url), 4096, engine)
     pool.endpoint.address()
-    body = a.body("w " * 128, 64, stream=True, model=None, temperature=0.0, seed=None,
+    body = a.body("w " * 128, tokens, stream=True, model=None, temperature=0.0, seed=None,
                   ignore_eos=True)  # fmt: skip
     done = [0]
     tid: list[int] = []
@@ -187,16 +194,46 @@ def part2(rate: float, seconds: float, proto: str) -> None:
         server.stop()
 
 
+def part3(rate: float, seconds: float, proto: str) -> None:
+    """What a request costs the engine before its token events, and what each token event
+    costs: the engine alone (fast path on) at 1 token and at 64 tokens a response, the
+    same rate. Each further token is one more read of one event (the exact server writes
+    each token alone), so the difference over 63 is a token event's read and parse, and
+    the 1-token figure less three such reads (the head, the token, the end) is the
+    request's own: its task, timers, request bytes, outcome."""
+    pin = (os.cpu_count() or 1) > 1
+    if pin:
+        os.sched_setaffinity(0, {0})
+    server = ExactServer(1 if pin else None, ttft_ms=50.0, itl_ms=10.0)
+    try:
+        print(f"Part 3: the thread engine's loop alone, {proto} at {rate:g} req/s for "
+              f"{seconds:g} s, responses of 1 and of 64 tokens (fast path on), engine "
+              "thread CPU per request (µs)")  # fmt: skip
+        got: dict[int, list[float]] = {1: [], 64: []}
+        for tokens in (1, 64, 1, 64):  # interleaved: the machine drifts
+            got[tokens].append(engine_alone(server.url, proto, True, rate, seconds, tokens))
+            print(f"  {tokens:2d} token(s): {got[tokens][-1]:7.0f}")
+        one, many = min(got[1]), min(got[64])
+        per_event = (many - one) / 63
+        print(f"  best of two: a token event (its read and parse) {per_event:.1f} µs; a "
+              f"request's own cost {one - 3 * per_event:.0f} µs (64 tokens: {many:.0f})")
+    finally:
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2000, help="Part 1: responses per round")
     ap.add_argument("--engine", action="store_true", help="also Part 2 (exact_server)")
+    ap.add_argument("--split", action="store_true", help="also Part 3 (exact_server)")
     ap.add_argument("--rate", type=float, default=320.0, help="Part 2: Poisson req/s")
     ap.add_argument("--seconds", type=float, default=12.0, help="Part 2: seconds per run")
     args = ap.parse_args()
     part1(args.repeat)
     if args.engine:
         part2(args.rate, args.seconds, "openai-completions")  # what the exact server speaks
+    if args.split:
+        part3(args.rate, args.seconds, "openai-completions")
     print("  Meaning: 'fast' reads each plain token event straight from the read's bytes "
           "(msgspec decodes and checks it);\n  'general' is the same client with the fast "
           "path off (the reference in this run). Lower is better.")  # fmt: skip
