@@ -215,8 +215,10 @@ def part3(rate: float, seconds: float, proto: str) -> None:
             print(f"  {tokens:2d} token(s): {got[tokens][-1]:7.0f}")
         one, many = min(got[1]), min(got[64])
         per_event = (many - one) / 63
-        print(f"  best of two: a token event (its read and parse) {per_event:.1f} µs; a "
-              f"request's own cost {one - 3 * per_event:.0f} µs (64 tokens: {many:.0f})")
+        print(
+            f"  best of two: a token event (its read and parse) {per_event:.1f} µs; a "
+            f"request's own cost {one - 3 * per_event:.0f} µs (64 tokens: {many:.0f})"
+        )
     finally:
         server.stop()
 
