@@ -16,16 +16,15 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
+
+from calculet_load.measure.fastshapes import INT64_MAX, FastChat, FastCompletion, FastLlama
 
 ProtocolName = Literal["openai-chat", "openai-completions", "llama"]
 
 
-# Every count the server sends lands in an int64 column: a value outside 0..INT64_MAX is
-# refused where it is parsed, so it can never reach (and sink) a part of good records.
-INT64_MAX = 2**63 - 1
 RAW_VALUE_CHARS = 64  # how much of an offending value a record keeps, as text
 
 
@@ -76,59 +75,6 @@ class EventInfo:
     # an error event or body that also carried generated text (spec §14.1: error
     # responses carry no uninitialized output): how many characters
     error_output_chars: int = 0
-
-
-# The common shape of a token event (OpenAI's, llama.cpp's), decoded and type-checked in C
-# by msgspec (`fast_event`): unknown fields ignored, a value of another type, a count
-# outside 0..INT64_MAX, NaN or Infinity, invalid UTF-8 or a lone surrogate fail the decode,
-# and `event` reads the event instead (and says what is wrong with it).
-_Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-
-
-class _FastDetails(msgspec.Struct):
-    cached_tokens: _Count | None = None
-
-
-class _FastUsage(msgspec.Struct):
-    completion_tokens: _Count | None = None
-    prompt_tokens: _Count | None = None
-    prompt_tokens_details: _FastDetails | None = None
-
-
-class _FastChoice(msgspec.Struct):
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _FastDelta(msgspec.Struct):
-    content: str | None = None
-
-
-class _FastChatChoice(msgspec.Struct):
-    delta: _FastDelta | None = None
-    finish_reason: str | None = None
-
-
-class _FastCompletion(msgspec.Struct):
-    choices: list[_FastChoice]
-    usage: _FastUsage | None = None
-    timings: dict[str, Any] | None = None
-    error: Any = None
-
-
-class _FastChat(msgspec.Struct):
-    choices: list[_FastChatChoice]
-    usage: _FastUsage | None = None
-    timings: dict[str, Any] | None = None
-    error: Any = None
-
-
-class _FastLlama(msgspec.Struct):
-    content: str | None = None
-    tokens_predicted: _Count | None = None
-    tokens_evaluated: _Count | None = None
-    stop: Any = None
-    error: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -198,8 +144,8 @@ def load_json(data: str) -> tuple[Any, bool]:
     hook = _NonFinite()
     try:
         return json.loads(data, parse_constant=hook), hook.seen
-    except json.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"event data: {exc.msg} at char {exc.pos}") from None
+    except json.JSONDecodeError as bad:  # a name of its own: compiled code types it
+        raise ProtocolError("invalid_json", f"event data: {bad.msg} at char {bad.pos}") from None
     except (ValueError, RecursionError) as exc:
         # JSON beyond this decoder's limits (RFC 8259 §9 allows limits): an integer of more
         # than sys.get_int_max_str_digits() digits raises ValueError, nesting deeper than
@@ -334,7 +280,7 @@ class OpenAIAdapter(Adapter):
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
-        self._fast = msgspec.json.Decoder(_FastChat if chat else _FastCompletion)
+        self._fast = msgspec.json.Decoder(FastChat if chat else FastCompletion)
         self.name = "openai-chat" if chat else "openai-completions"
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
 
@@ -604,7 +550,7 @@ ADAPTERS: dict[str, Adapter] = {
 }
 
 
-_FAST_LLAMA = msgspec.json.Decoder(_FastLlama)
+_FAST_LLAMA = msgspec.json.Decoder(FastLlama)
 
 
 def adapter_for(name: str) -> Adapter:

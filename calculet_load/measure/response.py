@@ -21,10 +21,11 @@ import ssl
 import struct
 import sys
 from collections.abc import Callable, Generator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import h11
 import msgspec
+from mypy_extensions import mypyc_attr
 
 from calculet_load.clock import Clock
 from calculet_load.measure.biotls import BioTLS
@@ -197,13 +198,14 @@ class Run:
         self.read_prev: int | None = None  # when the read before the current one returned
         self.in_read = 0  # events delivered by that read so far
         self.tokens_in_read = 0  # ... of them, events that carried tokens
+        self.fast_events = 0  # events read on the fast path (`on_plain`; for the tests)
 
     def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
         """Feed stream bytes that arrived at t; True when the client should stop now."""
         try:
             events = self.parser.feed(data)
-        except SSELineTooLong as exc:
-            raise Fail("malformed_sse", str(exc)) from None
+        except SSELineTooLong as long_line:  # a name of its own: compiled code types it
+            raise Fail("malformed_sse", str(long_line)) from None
         for i, ev in enumerate(events):
             if i & 15 == 15 and self.pause is not None:
                 # A backlog read can hold hundreds of events: all are stamped at its
@@ -249,6 +251,7 @@ class Run:
         if info is None:
             return False
         self.parser.skip(size)
+        self.fast_events += 1
         self._account(info, t)
         return True
 
@@ -578,6 +581,9 @@ def conclude(
     return out
 
 
+# The thread engine's reads (measure.engine) subclass it, and stay interpreted when this
+# module is compiled (measure.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Reads:
     """The bookkeeping of one response's reads, whichever engine reads: which timeout
     bounds the next read, the stamp each read gives its bytes (the kernel's receive time
@@ -734,15 +740,18 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
                 # h11 accepts no transfer coding but chunked: the event stream's body is
                 # read on the fast path below (h11's per-chunk events and state machine
                 # cost a sixth of a worker's CPU per token event, measured with py-spy)
-                leftover, _ = conn.trailing_data
-                return (yield from _chunked(rd, ChunkedDecoder(leftover), status, cancel))
+                # h11's bytes are bytearrays typed bytes: read untyped (compiled code
+                # checks the declared type: measure.native), then made bytes
+                leftover = bytes(cast(Any, conn).trailing_data[0])
+                body = ChunkedDecoder(leftover)
+                return (yield from _chunked(rd, body, status, cancel))
         elif isinstance(event, h11.InformationalResponse):
             continue
         elif isinstance(event, h11.Data):
             if is_sse and 200 <= status < 300:
-                _feed_sse(run, event.data, t, cancel)
+                _feed_sse(run, bytes(cast(Any, event).data), t, cancel)  # as above
             else:
-                run.body += event.data
+                run.body += cast(Any, event).data
                 if len(run.body) > 64 * 2**20:
                     raise Fail("protocol_violation", "response body over 64 MiB")
         elif isinstance(event, h11.EndOfMessage):

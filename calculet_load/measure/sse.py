@@ -53,6 +53,10 @@ class SSEEvent:
     id: str | None = None
     retry_ms: int | None = None
 
+    def __reduce__(self) -> tuple[type["SSEEvent"], tuple[str, str, str | None, int | None]]:
+        # by its fields: a compiled frozen class cannot be unpickled field by field
+        return (SSEEvent, (self.data, self.event, self.id, self.retry_ms))
+
 
 class SSELineTooLong(ValueError):
     """A line is longer than the parser's `max_line_bytes`; the stream is malformed.
