@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from calculet_load.measure import native
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -611,6 +612,8 @@ def main() -> None:
         f"{'server core 1, client core 0' if pin else 'no'}; {args.seconds:g} s per point; "
         f"truth TTFT {args.ttft_ms:g} ms, a token every {args.itl_ms:g} ms, 64 tokens"
     )
+    # what calculet-load's processes import from this tree, in this environment
+    print(f"calculet-load's compiled modules (calculet_load.measure.native): {native.STATE}")
     print(HEADER, flush=True)
     points: list[Point] = []
     server = ExactServer(server_core, args.ttft_ms, args.itl_ms)

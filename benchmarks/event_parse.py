@@ -40,6 +40,7 @@ import psutil
 from client_speed import ExactServer  # this folder's: the exact server, started and stopped
 
 from calculet_load.clock import SystemClock
+from calculet_load.measure import native
 from calculet_load.measure.protocols import Adapter, LlamaAdapter, OpenAIAdapter
 from calculet_load.measure.response import Outcome, Reads, Run, Timeouts, conclude, respond, wire
 
@@ -231,6 +232,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=320.0, help="Part 2: Poisson req/s")
     ap.add_argument("--seconds", type=float, default=12.0, help="Part 2: seconds per run")
     args = ap.parse_args()
+    print(f"calculet-load's compiled modules (calculet_load.measure.native): {native.STATE}")
     part1(args.repeat)
     if args.engine:
         part2(args.rate, args.seconds, "openai-completions")  # what the exact server speaks

@@ -483,7 +483,9 @@ def prepare(
         # neither, so it is asked for in the clear (and refused if it comes otherwise).
         ("Accept-Encoding", "identity"),
     ]
-    fixed = ("host", "content-length")
+    # ours alone: the body is written after h11's head as it is (`wire`), framed by its
+    # Content-Length, never by a Transfer-Encoding a --header could ask for
+    fixed = ("host", "content-length", "transfer-encoding")
     headers = [(n, v) for n, v in ours if n.lower() in fixed or n.lower() not in given]
     headers += [(n, v) for n, v in extra if n.lower() not in fixed]
     return endpoint.path(adapter.path), headers, payload
@@ -713,6 +715,9 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
             if rd.eof and (ns["t2"] is not None or b"HTTP/".startswith(rd.first)):
                 raise Fail("connection_reset", f"closed mid-response: {exc}") from None
             raise Fail("malformed_http", str(exc)) from None
+        if event is h11.PAUSED:
+            # a 101 to an `Upgrade` a --header asked for: not HTTP from here on
+            raise Fail("malformed_http", "the server switched protocols (101)")
         if event is h11.NEED_DATA:
             data, closed = yield
             conn.receive_data(data)
@@ -744,7 +749,8 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
                 # checks the declared type: measure.native), then made bytes
                 leftover = bytes(cast(Any, conn).trailing_data[0])
                 body = ChunkedDecoder(leftover)
-                return (yield from _chunked(rd, body, status, cancel))
+                keep = _keeps_alive(event)
+                return (yield from _chunked(rd, body, status, cancel)) and keep
         elif isinstance(event, h11.InformationalResponse):
             continue
         elif isinstance(event, h11.Data):
@@ -757,10 +763,19 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
         elif isinstance(event, h11.EndOfMessage):
             ns["t6"] = t
             finish(run, status, t)
-            # the request's body was written whole (`wire`): the response decides
-            return conn.their_state is h11.DONE
+            # the request's body was written whole (`wire`): the response decides, and a
+            # peer that closed with its last bytes has closed the connection
+            return conn.their_state is h11.DONE and not rd.eof
         elif isinstance(event, h11.ConnectionClosed):
             raise Fail("connection_reset", "connection closed before the response ended")
+
+
+def _keeps_alive(head: h11.Response) -> bool:
+    """Whether the response's connection may carry another request, as h11 judges it when
+    it reads the body itself (`_chunked` reads it instead): not after `Connection: close`,
+    nor after an HTTP/1.0 response (h11 keeps no HTTP/1.0 connection alive)."""
+    connection = (_header(head.headers, b"connection") or "").lower()
+    return head.http_version >= b"1.1" and "close" not in {t.strip() for t in connection.split(",")}
 
 
 def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:

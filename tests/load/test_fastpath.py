@@ -232,7 +232,7 @@ def _fast_reads() -> Iterator[list[int]]:
     try:
         yield taken
     finally:
-        _TAKEN.remove(taken)
+        del _TAKEN[next(i for i, t in enumerate(_TAKEN) if t is taken)]
 
 
 def _both(

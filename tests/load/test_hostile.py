@@ -30,6 +30,7 @@ import h11
 import pyarrow.parquet as pq
 import pytest
 
+from calculet_load.clock import FakeClock
 from calculet_load.measure import engine as engine_module
 from calculet_load.measure import session as session_module
 from calculet_load.measure.client import (
@@ -44,7 +45,7 @@ from calculet_load.measure.client import (
 from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import wire
+from calculet_load.measure.response import Fail, Reads, Run, prepare, respond, wire
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
@@ -838,25 +839,87 @@ def test_interim_100_continue_is_skipped() -> None:
     assert (out.http_status, out.output_tokens) == (200, VALID_TOKENS)
 
 
-def test_the_request_is_what_h11_writes_and_reuse_follows_the_response() -> None:
+def test_the_request_is_what_h11_writes() -> None:
     """`wire` has h11 write the head only and appends the body: the bytes are h11's whole
-    request, and with h11 left in SEND_BODY the response alone decides reuse."""
+    request. A Transfer-Encoding from --header would frame the body h11 no longer writes:
+    it is never sent (the body's Content-Length is ours)."""
     body = '{"text":"\u00e9"}'.encode()
     request = ("/v1/completions", [("Host", "x"), ("Content-Length", str(len(body)))], body)
     whole = h11.Connection(h11.CLIENT)
     sent = whole.send(h11.Request(method="POST", target=request[0], headers=request[1]))
     sent += whole.send(h11.Data(data=request[2])) + whole.send(h11.EndOfMessage())
-    for reply, reusable in (
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", False),
-        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
-    ):
-        conn, data = wire(request)
-        assert data == sent
-        conn.receive_data(reply)
-        while not isinstance(conn.next_event(), h11.EndOfMessage):
-            pass
-        assert (conn.their_state is h11.DONE) is reusable
+    assert wire(request)[1] == sent
+    endpoint = Endpoint("http://127.0.0.1:1")
+    endpoint.headers = [("Transfer-Encoding", "chunked"), ("X-Team", "perf")]
+    _, headers, payload = prepare(endpoint, adapter_for("llama"), {"a": 1}, "r1", True, None)
+    names = [n.lower() for n, _ in headers]
+    assert "transfer-encoding" not in names and "x-team" in names
+    assert ("Content-Length", str(len(payload))) in headers
+
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+_EVENTS = (
+    b'data: {"content":" w","stop":false,"tokens_predicted":1}\n\n'
+    b'data: {"content":"","stop":true,"tokens_predicted":1}\n\n'
+)
+_CHUNKS = b"%x\r\n%s\r\n0\r\n\r\n" % (len(_EVENTS), _EVENTS)
+_WHOLE = b'{"content":" w","tokens_predicted":1,"stop":true}'
+
+
+def _length(head: bytes) -> bytes:
+    return head + b"Content-Length: %d\r\n\r\n%s" % (len(_WHOLE), _WHOLE)
+
+
+def _respond(
+    reads: list[bytes], closed_last: bool = False, ask: tuple[tuple[str, str], ...] = ()
+) -> object:
+    """`respond` fed `reads` as an engine feeds them: whether it keeps the connection, or
+    the Fail it raised."""
+    out = Outcome("r1")
+    run = Run(adapter_for("llama"), out, FakeClock(), b"event-stream" in reads[0])
+    headers = [("Host", "x"), ("Content-Length", "2"), *ask]
+    conn, _ = wire(("/completion", headers, b"{}"))
+    ns: dict[str, int | None] = {"t0": 1, "t1": 2, "t2": None, "t6": None}
+    rd = Reads(run, ns, Timeouts(), 10**18, False)
+    gen = respond(conn, rd, None)
+    next(gen)
+    try:
+        for i, data in enumerate(reads):
+            closed = closed_last and i == len(reads) - 1
+            rd.took(data, closed, 1_000 * (i + 3), None)
+            gen.send((data, closed))
+    except StopIteration as end:
+        return end.value
+    except Fail as f:
+        return f.error_class
+    return "more"
+
+
+@pytest.mark.parametrize(
+    ("reads", "closed_last", "reusable"),
+    [
+        ([_length(b"HTTP/1.1 200 OK\r\n")], False, True),
+        ([_length(b"HTTP/1.1 200 OK\r\nConnection: close\r\n")], False, False),
+        ([_length(b"HTTP/1.0 200 OK\r\n")], False, False),
+        ([_length(b"HTTP/1.1 200 OK\r\n")], True, False),
+        ([_SSE_HEAD + b"\r\n", _CHUNKS], False, True),
+        ([_SSE_HEAD + b"Connection: keep-alive, close\r\n\r\n", _CHUNKS], False, False),
+        ([_SSE_HEAD + b"\r\n", _CHUNKS], True, False),
+    ],
+    ids=["length", "length-close", "http-1.0", "length-then-closed", "chunked",
+         "chunked-close", "chunked-then-closed"],
+)  # fmt: skip
+def test_reuse_follows_the_response(reads: list[bytes], closed_last: bool, reusable: bool) -> None:
+    """With h11 told of the request's head only, the response alone decides reuse, on
+    h11's reading of a body and on the event stream's own (`_chunked`)."""
+    assert _respond(reads, closed_last) is reusable
+
+
+def test_a_switch_of_protocols_is_not_http() -> None:
+    """A 101 to an `Upgrade` a --header asked for pauses h11: an error, not a wait."""
+    switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"
+    ask = (("Upgrade", "x"), ("Connection", "upgrade"))
+    assert _respond([switch, b"anything"], ask=ask) == "malformed_http"
 
 
 def test_connection_close_header_is_honoured() -> None:
