@@ -177,11 +177,16 @@ def engine_alone(
     return (c1 - c0) / max(n1 - n0, 1) * 1e6
 
 
-def part2(rate: float, seconds: float, proto: str) -> None:
+def _pinned_server() -> ExactServer:
+    """The exact server on core 1 and this process on core 0, where there are two."""
     pin = (os.cpu_count() or 1) > 1
     if pin:
         os.sched_setaffinity(0, {0})
-    server = ExactServer(1 if pin else None, ttft_ms=50.0, itl_ms=10.0)
+    return ExactServer(1 if pin else None, ttft_ms=50.0, itl_ms=10.0)
+
+
+def part2(rate: float, seconds: float, proto: str) -> None:
+    server = _pinned_server()
     try:
         print(f"Part 2: the thread engine's loop alone, {proto} at {rate:g} req/s for "
               f"{seconds:g} s, engine thread CPU per request (µs), steady middle")  # fmt: skip
@@ -202,10 +207,7 @@ def part3(rate: float, seconds: float, proto: str) -> None:
     each token alone), so the difference over 63 is a token event's read and parse, and
     the 1-token figure less three such reads (the head, the token, the end) is the
     request's own: its task, timers, request bytes, outcome."""
-    pin = (os.cpu_count() or 1) > 1
-    if pin:
-        os.sched_setaffinity(0, {0})
-    server = ExactServer(1 if pin else None, ttft_ms=50.0, itl_ms=10.0)
+    server = _pinned_server()
     try:
         print(f"Part 3: the thread engine's loop alone, {proto} at {rate:g} req/s for "
               f"{seconds:g} s, responses of 1 and of 64 tokens (fast path on), engine "
