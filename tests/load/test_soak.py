@@ -245,7 +245,13 @@ def test_killed_soak_resumes_to_its_planned_end_and_records_the_gap(
     # infrastructure failure, so the run is not a clean pass
     c = conditions(run)
     for name in ("error rate", "no hang", "no abort", "no leak", "analysis"):
-        assert c[name]["ok"] is True and c[name]["class"] in ("target", "infrastructure"), c[name]
+        assert c[name]["class"] in ("target", "infrastructure"), c[name]
+        # the analysis may also call the client saturated (infrastructure: this shared
+        # 2-core machine's other tests starving it, as test_pipeline allows): not the target
+        assert c[name]["ok"] is True or (name, c[name]["class"]) == (
+            "analysis",
+            "infrastructure",
+        ), c[name]
     assert c["no abort"]["observed"]["unsampled"][0]["duration_s"] == gap["duration_s"]
     leak = c["no leak"]["observed"]
     assert [s["worker"] for s in leak["segments"]] == ["w00", "w00-r1"]
