@@ -183,20 +183,24 @@ def _chunk(body: bytes, how: int) -> bytes:
 _TAKEN: list[list[int]] = []  # the counters of the `_fast_reads` blocks open
 
 
-def _read(
+def read_response(
     reads: list[bytes],
     adapter: Adapter,
     closed_at_end: bool = False,
     limit: int | None = None,
     cancel: CancelAt = None,
+    stream: bool = True,
+    ask: tuple[tuple[str, str], ...] = (),
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Read the response from `reads` as an engine would; the verdict and the outcome."""
+    """Read the response from `reads` as an engine would (`ask`: more request headers);
+    the verdict (("end", reusable), ("fail", class, detail, code, raw) or ("more",)) and
+    the outcome. tests/load/test_hostile.py and test_native.py read with it too."""
     clock = FakeClock()
     out = Outcome("req-1")
-    run = Run(adapter, out, clock, True)
+    run = Run(adapter, out, clock, stream)
     if limit is not None:
         run.parser = SSEParser(max_line_bytes=limit)
-    conn, _ = wire(("/v1/completions", [("Host", "x"), ("Content-Length", "2")], b"{}"))
+    conn, _ = wire(("/v1/completions", [("Host", "x"), ("Content-Length", "2"), *ask], b"{}"))
     ns: dict[str, int | None] = {"t0": 1_000, "t1": 2_000, "t2": None, "t6": None}
     rd = Reads(run, ns, Timeouts(), 10**18, False)
     gen = respond(conn, rd, cancel)
@@ -241,8 +245,8 @@ def _both(
     fast_adapter, slow_adapter = _adapter(proto), _adapter(proto)
     slow_adapter.fast = False  # the general path only
     with _fast_reads() as taken:
-        fast = _read(reads, fast_adapter, closed_at_end, limit)
-    slow = _read(reads, slow_adapter, closed_at_end, limit)
+        fast = read_response(reads, fast_adapter, closed_at_end, limit)
+    slow = read_response(reads, slow_adapter, closed_at_end, limit)
     return fast, slow, taken[0]
 
 
@@ -386,10 +390,10 @@ def test_the_fast_path_is_off_when_a_cancel_is_asked() -> None:
     reads = [HEAD]
     reads += [_chunk(b"data: %s\n\n" % _token(n, "openai-completions"), 0) for n in range(1, 6)]
     with _fast_reads() as taken:
-        verdict, out = _read(reads, OpenAIAdapter(False), cancel=3)
+        verdict, out = read_response(reads, OpenAIAdapter(False), cancel=3)
         assert verdict[:2] == ("fail", "cancelled")
         assert len(out["token_events"]) == 3
     assert taken == [0]
     with _fast_reads() as taken:
-        verdict, _ = _read(reads, OpenAIAdapter(False))
+        verdict, _ = read_response(reads, OpenAIAdapter(False))
     assert verdict == ("more",) and taken == [4]  # the same reads, no cancel: fast

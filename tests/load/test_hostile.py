@@ -30,7 +30,6 @@ import h11
 import pyarrow.parquet as pq
 import pytest
 
-from calculet_load.clock import FakeClock
 from calculet_load.measure import engine as engine_module
 from calculet_load.measure import session as session_module
 from calculet_load.measure.client import (
@@ -45,10 +44,11 @@ from calculet_load.measure.client import (
 from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import Fail, Reads, Run, prepare, respond, wire
+from calculet_load.measure.response import prepare, wire
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
+from tests.load.test_fastpath import read_response
 from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
@@ -870,31 +870,6 @@ def _length(head: bytes) -> bytes:
     return head + b"Content-Length: %d\r\n\r\n%s" % (len(_WHOLE), _WHOLE)
 
 
-def _respond(
-    reads: list[bytes], closed_last: bool = False, ask: tuple[tuple[str, str], ...] = ()
-) -> object:
-    """`respond` fed `reads` as an engine feeds them: whether it keeps the connection, or
-    the Fail it raised."""
-    out = Outcome("r1")
-    run = Run(adapter_for("llama"), out, FakeClock(), b"event-stream" in reads[0])
-    headers = [("Host", "x"), ("Content-Length", "2"), *ask]
-    conn, _ = wire(("/completion", headers, b"{}"))
-    ns: dict[str, int | None] = {"t0": 1, "t1": 2, "t2": None, "t6": None}
-    rd = Reads(run, ns, Timeouts(), 10**18, False)
-    gen = respond(conn, rd, None)
-    next(gen)
-    try:
-        for i, data in enumerate(reads):
-            closed = closed_last and i == len(reads) - 1
-            rd.took(data, closed, 1_000 * (i + 3), None)
-            gen.send((data, closed))
-    except StopIteration as end:
-        return end.value
-    except Fail as f:
-        return f.error_class
-    return "more"
-
-
 @pytest.mark.parametrize(
     ("reads", "closed_last", "reusable"),
     [
@@ -912,14 +887,17 @@ def _respond(
 def test_reuse_follows_the_response(reads: list[bytes], closed_last: bool, reusable: bool) -> None:
     """With h11 told of the request's head only, the response alone decides reuse, on
     h11's reading of a body and on the event stream's own (`_chunked`)."""
-    assert _respond(reads, closed_last) is reusable
+    stream = b"event-stream" in reads[0]
+    verdict, _ = read_response(reads, adapter_for("llama"), closed_last, stream=stream)
+    assert verdict == ("end", reusable)
 
 
 def test_a_switch_of_protocols_is_not_http() -> None:
     """A 101 to an `Upgrade` a --header asked for pauses h11: an error, not a wait."""
     switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n"
     ask = (("Upgrade", "x"), ("Connection", "upgrade"))
-    assert _respond([switch, b"anything"], ask=ask) == "malformed_http"
+    verdict, _ = read_response([switch, b"anything"], adapter_for("llama"), ask=ask)
+    assert verdict[:2] == ("fail", "malformed_http")
 
 
 def test_connection_close_header_is_honoured() -> None:

@@ -41,7 +41,7 @@ for proto in PROTOCOLS:
     for data in fp._odd(proto):
         body = fp._chunk(b"data: " + data + b"\n\n", 0) + fp.END
         for cuts in ([], [3], [7, 40]):
-            rows.append(fp._read([fp.HEAD, *fp._split(body, cuts)], fp._adapter(proto)))
+            rows.append(fp.read_response([fp.HEAD, *fp._split(body, cuts)], fp._adapter(proto)))
 print(json.dumps({"state": native.STATE, "rows": rows}, default=repr))
 """
 
