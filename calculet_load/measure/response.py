@@ -494,8 +494,8 @@ def prepare(
 def wire(request: tuple[str, list[tuple[str, str]], bytes]) -> tuple[h11.Connection, bytes]:
     """A new HTTP/1.1 client connection state and the request's bytes: h11 checks and
     writes the head; the body follows it as it is (its Content-Length is in the head).
-    h11 is not told of the body (`h11.Data`, `h11.EndOfMessage`: a third of this call,
-    about 30 µs a request on a busy engine thread), so its side of the connection stays
+    h11 is not told of the body (`h11.Data`, `h11.EndOfMessage`: a quarter of this call,
+    25 µs against 34 in a hot loop), so its side of the connection stays
     in SEND_BODY; the caller writes every byte or fails the request, and `respond` judges
     reuse by the response's state alone."""
     target, headers, payload = request
@@ -774,8 +774,13 @@ def _keeps_alive(head: h11.Response) -> bool:
     """Whether the response's connection may carry another request, as h11 judges it when
     it reads the body itself (`_chunked` reads it instead): not after `Connection: close`,
     nor after an HTTP/1.0 response (h11 keeps no HTTP/1.0 connection alive)."""
-    connection = (_header(head.headers, b"connection") or "").lower()
-    return head.http_version >= b"1.1" and "close" not in {t.strip() for t in connection.split(",")}
+    tokens = {
+        t.strip().lower()
+        for name, value in head.headers
+        if name == b"connection"  # every Connection header: h11 joins them
+        for t in bytes(value).decode("latin-1").split(",")
+    }
+    return head.http_version >= b"1.1" and "close" not in tokens
 
 
 def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:

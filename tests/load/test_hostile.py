@@ -864,6 +864,7 @@ _EVENTS = (
 )
 _CHUNKS = b"%x\r\n%s\r\n0\r\n\r\n" % (len(_EVENTS), _EVENTS)
 _WHOLE = b'{"content":" w","tokens_predicted":1,"stop":true}'
+_TWO_CONNECTION_HEADERS = b"Connection: keep-alive\r\nConnection: Close\r\n\r\n"  # h11 joins them
 
 
 def _length(head: bytes) -> bytes:
@@ -879,10 +880,11 @@ def _length(head: bytes) -> bytes:
         ([_length(b"HTTP/1.1 200 OK\r\n")], True, False),
         ([_SSE_HEAD + b"\r\n", _CHUNKS], False, True),
         ([_SSE_HEAD + b"Connection: keep-alive, close\r\n\r\n", _CHUNKS], False, False),
+        ([_SSE_HEAD + _TWO_CONNECTION_HEADERS, _CHUNKS], False, False),
         ([_SSE_HEAD + b"\r\n", _CHUNKS], True, False),
     ],
     ids=["length", "length-close", "http-1.0", "length-then-closed", "chunked",
-         "chunked-close", "chunked-then-closed"],
+         "chunked-close", "chunked-second-close", "chunked-then-closed"],
 )  # fmt: skip
 def test_reuse_follows_the_response(reads: list[bytes], closed_last: bool, reusable: bool) -> None:
     """With h11 told of the request's head only, the response alone decides reuse, on
