@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 from calculet_load.schema.arrow import (
+    CONVERT_CHUNK_ROWS,
     SelfWatchRow,
     check_table_schema,
     leaf_fields,
@@ -141,6 +142,25 @@ def test_token_events_table() -> None:
     table = token_events_table(events)
     assert table.column("tokens").to_pylist() == [3, 2]
     assert table.column("server_cumulative").to_pylist() == [3, None]
+
+
+def test_a_long_conversion_comes_in_record_batches_with_every_row_in_order() -> None:
+    """A sink part of hundreds of thousands of token events is converted a chunk at a
+    time (the interpreter lock changes hands between chunks): the rows, their order and
+    the schema are as one piece would give them."""
+    n = 2 * CONVERT_CHUNK_ROWS + 7
+    events = [TokenEvent(f"r{i % 3}", i, 10 * i, i % 5, None if i % 4 else i) for i in range(n)]
+    table = token_events_table(events)
+    assert table.num_rows == n and table.schema == token_event_schema()
+    assert table.column("event_index").num_chunks == 3
+    assert table.column("arrival_ns").to_pylist() == [10 * i for i in range(n)]
+    assert table.column("server_cumulative").to_pylist() == [
+        None if i % 4 else i for i in range(n)
+    ]
+    assert table.column("request_id").to_pylist()[-2:] == [f"r{(n - 2) % 3}", f"r{(n - 1) % 3}"]
+    assert token_events_table([]).num_rows == 0
+    records = [RequestRecord("run", f"q{i}", ext=Ext(events=i)) for i in range(CONVERT_CHUNK_ROWS + 1)]
+    assert records_table(records).column("ext.events").to_pylist() == list(range(len(records)))
 
 
 def test_newer_schema_is_refused_with_a_clear_message() -> None:
