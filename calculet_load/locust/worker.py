@@ -11,7 +11,6 @@ creates them from Locust's events is calculet_load.locust.plugin.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from locust.runners import WorkerRunner
 from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.locust import clocksync as locust_clocksync
 from calculet_load.locust.accuracy import Accuracy
+from calculet_load.locust.heap import PACER
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
@@ -136,6 +136,7 @@ class Worker:
         self.closed_seq = 0
         self.target_users = plan.users
         self.stopping = False
+        self.paced = False  # this run started the process's heap pacer (locust.heap)
         self._prompts: dict[tuple[int, int], Prompt] = {}
         self._factory: PromptFactory | None = None
         manifest = load_manifest(self.opts.manifest) if self.opts.manifest else None
@@ -241,7 +242,8 @@ class Worker:
         except (WorkloadError, OSError) as exc:  # the first request reports it as data
             log.error("%s: cannot prepare the load: %s", self.name, exc)
         finally:
-            freeze_heap()
+            PACER.start()  # start-up's objects frozen, collections paced (locust.heap)
+            self.paced = True
             self.watch.end_warmup()
             self.ready.set()
 
@@ -467,6 +469,9 @@ class Worker:
         self.watch.stop()
         self.sink.close()
         self.session.close()
+        if self.paced:
+            self.paced = False
+            PACER.stop()
 
     def parts(self) -> list[str]:
         return sorted(
@@ -513,40 +518,6 @@ class Worker:
             return {"sent": 0}
         first, last = (self.offset.to_master_ns(self._anchor.wall_ns_at(t)) for t in s[:2])
         return {"sent": s[2], "first_send_master_ns": first, "last_send_master_ns": last}
-
-
-# A full collection at most once per this many middle-generation ones (Python's default:
-# 10), about once per 50 million new objects with the thresholds below. With the
-# defaults a worker at 80 req/s ran one every few seconds (its open part's records
-# survive until the part is written), each a pause of tens of ms that held every
-# stream's read: the p99 of TTFT error was +75-90 ms at 16 closed-loop streams. (At 100
-# with the thresholds below, one ran every ~20 s: 256 closed-loop streams cost 3,271 µs
-# of CPU a request against 2,183, and 320 req/s had TTFT p99 +29 ms.)
-FULL_GC_EVERY = 12_500
-# Young collections every 2,000 new container objects (Python's default: 700), and a
-# middle-generation one every 2 young ones (default: 10). A collection holds the
-# interpreter lock, so the I/O engine's reads wait for it, and a read that waits past the
-# next token stamps the first token with the next one's arrival (docs/measurement.md).
-# At 320 req/s on one core (benchmarks/exact_server.py, 64 tokens 10 ms apart) young
-# collections every 50,000 objects paused 11-14 ms every 2.2 s (every 5,000, with middle
-# ones every 2, the middle ones paused 15-25 ms). With 2,000 and 2 young pauses were
-# mostly under 2 ms and middle ones up to 10-13 ms; since TokenEvent left the
-# collector's reach (schema.records) none passed 4.6 ms. TTFT p99 error with these
-# thresholds alone was +0.29, +0.76, +10.02, +10.08 and +10.33 ms in five runs (+10.06
-# before): the sink writer's priority did the rest (measure.sink). CPU per request
-# within the runs' noise (2,858 and 3,131 µs against 2,859 and 2,978).
-YOUNG_GC_EVERY = 2_000
-MIDDLE_GC_EVERY = 2
-
-
-def freeze_heap() -> None:
-    """Before the load: everything start-up made (Locust, gevent, pyarrow, the prompts)
-    is moved out of the garbage collector's reach (`gc.freeze`), young collections are
-    made rarer, and full collections, which would scan what the run keeps, rare. Cycles
-    are still collected."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_GC_EVERY, MIDDLE_GC_EVERY, FULL_GC_EVERY)
 
 
 class RequestFailed(Exception):
