@@ -159,7 +159,8 @@ def test_a_long_conversion_comes_in_record_batches_with_every_row_in_order() -> 
     ]
     assert table.column("request_id").to_pylist()[-2:] == [f"r{(n - 2) % 3}", f"r{(n - 1) % 3}"]
     assert token_events_table([]).num_rows == 0
-    records = [RequestRecord("run", f"q{i}", ext=Ext(events=i)) for i in range(CONVERT_CHUNK_ROWS + 1)]
+    n = CONVERT_CHUNK_ROWS + 1
+    records = [RequestRecord("run", f"q{i}", ext=Ext(events=i)) for i in range(n)]
     assert records_table(records).column("ext.events").to_pylist() == list(range(len(records)))
 
 
