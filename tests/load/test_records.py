@@ -154,9 +154,7 @@ def test_a_long_conversion_comes_in_record_batches_with_every_row_in_order() -> 
     assert table.num_rows == n and table.schema == token_event_schema()
     assert table.column("event_index").num_chunks == 3
     assert table.column("arrival_ns").to_pylist() == [10 * i for i in range(n)]
-    assert table.column("server_cumulative").to_pylist() == [
-        None if i % 4 else i for i in range(n)
-    ]
+    assert table.column("server_cumulative").to_pylist() == [None if i % 4 else i for i in range(n)]
     assert table.column("request_id").to_pylist()[-2:] == [f"r{(n - 2) % 3}", f"r{(n - 1) % 3}"]
     assert token_events_table([]).num_rows == 0
     n = CONVERT_CHUNK_ROWS + 1
