@@ -294,12 +294,33 @@ def run_calculet(
     if code == 3 or verdict.returncode == 3:
         p.verdict += " FLAGGED"
     p.note = said[:160]
+    failed = failed_rules(run_dir)
+    if failed:  # which of analyze's rules, and by how much (its verdict.json)
+        p.note += " | analyze failed: " + "; ".join(failed)[:300]
     stderr = err.decode(errors="replace")
     kept_up = [x for x in stderr.splitlines() if "did not keep up" in x]
     if kept_up:  # the self-check's own line: which cells, which figure, how far
         p.note += " | self-check: " + kept_up[-1].split("in ", 1)[-1][:300]
     if code not in (0, 3):
         p.note += f" | locust stderr: {stderr[-300:]}"
+
+
+def failed_rules(run_dir: Path) -> list[str]:
+    """The rules `calculet-load analyze` failed in `run_dir`'s verdict.json, each with what
+    it observed against its threshold (none when the file is missing or unreadable)."""
+    try:
+        verdicts = json.loads((run_dir / "verdict.json").read_text())["verdicts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [
+        f"{v.get('rule')} {_figure(v.get('observed'))} > {_figure(v.get('threshold'))}"
+        for v in verdicts
+        if isinstance(v, dict) and v.get("status") == "fail"
+    ]
+
+
+def _figure(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, int | float) else str(x)
 
 
 def read_calculet(run_dir: Path, p: Point) -> dict[str, Any]:

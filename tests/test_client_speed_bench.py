@@ -107,3 +107,28 @@ def test_the_targets_are_judged_from_the_points() -> None:
     )
     p50_line = cs.target_lines([point("poisson", 40, 0.1, 0.4, 1.0)])[3]
     assert p50_line.endswith("not run (no such point in this run)"), p50_line
+
+
+def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
+    """An `analyze` exit 3 names what failed (stop 30 had to guess: the benchmark kept only
+    the verdict's last line)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import client_speed as cs
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    verdicts = [
+        {"rule": "client_saturation", "status": "fail", "observed": 0.1109, "threshold": 0.05},
+        {"rule": "send_lag", "status": "fail", "observed": 15.458274, "threshold": 10.0},
+        {"rule": "error_rate", "status": "pass", "observed": 0.0, "threshold": 0.0},
+        {"rule": "golden", "status": "not_evaluated", "observed": None, "threshold": None},
+    ]
+    (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": verdicts}))
+    assert cs.failed_rules(tmp_path) == [
+        "client_saturation 0.1109 > 0.05",
+        "send_lag 15.46 > 10",
+    ]
+    (tmp_path / "verdict.json").write_text("{not json")
+    assert cs.failed_rules(tmp_path) == []
+    assert cs.failed_rules(tmp_path / "missing") == []
