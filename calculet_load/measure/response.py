@@ -497,7 +497,7 @@ def wire(request: tuple[str, list[tuple[str, str]], bytes]) -> tuple[h11.Connect
     h11 is not told of the body (`h11.Data`, `h11.EndOfMessage`: a quarter of this call,
     25 µs against 34 in a hot loop), so its side of the connection stays
     in SEND_BODY; the caller writes every byte or fails the request, and `respond` judges
-    reuse by the response's state alone."""
+    reuse by h11's reading of the request's head and the response."""
     target, headers, payload = request
     conn = h11.Connection(h11.CLIENT)
     return conn, conn.send(h11.Request(method="POST", target=target, headers=headers)) + payload
@@ -749,7 +749,10 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
                 # checks the declared type: measure.native), then made bytes
                 leftover = bytes(cast(Any, conn).trailing_data[0])
                 body = ChunkedDecoder(leftover)
-                keep = _keeps_alive(event)
+                # whether the connection may carry another request, as h11 judges it when
+                # it reads the body itself: from the request's head and this response's
+                # (a `Connection: close` on either side, an HTTP/1.0 response)
+                keep = bool(cast(Any, conn)._cstate.keep_alive)
                 return (yield from _chunked(rd, body, status, cancel)) and keep
         elif isinstance(event, h11.InformationalResponse):
             continue
@@ -768,19 +771,6 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
             return conn.their_state is h11.DONE and not rd.eof
         elif isinstance(event, h11.ConnectionClosed):
             raise Fail("connection_reset", "connection closed before the response ended")
-
-
-def _keeps_alive(head: h11.Response) -> bool:
-    """Whether the response's connection may carry another request, as h11 judges it when
-    it reads the body itself (`_chunked` reads it instead): not after `Connection: close`,
-    nor after an HTTP/1.0 response (h11 keeps no HTTP/1.0 connection alive)."""
-    tokens = {
-        t.strip().lower()
-        for name, value in head.headers
-        if name == b"connection"  # every Connection header: h11 joins them
-        for t in bytes(value).decode("latin-1").split(",")
-    }
-    return head.http_version >= b"1.1" and "close" not in tokens
 
 
 def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:

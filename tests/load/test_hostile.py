@@ -887,11 +887,26 @@ def _length(head: bytes) -> bytes:
          "chunked-close", "chunked-second-close", "chunked-then-closed"],
 )  # fmt: skip
 def test_reuse_follows_the_response(reads: list[bytes], closed_last: bool, reusable: bool) -> None:
-    """With h11 told of the request's head only, the response alone decides reuse, on
-    h11's reading of a body and on the event stream's own (`_chunked`)."""
+    """With h11 told of the request's head only, the response decides reuse (the request
+    asked for nothing), on h11's reading of a body and on the event stream's own
+    (`_chunked`)."""
     stream = b"event-stream" in reads[0]
     verdict, _ = read_response(reads, adapter_for("llama"), closed_last, stream=stream)
     assert verdict == ("end", reusable)
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [[_length(b"HTTP/1.1 200 OK\r\n")], [_SSE_HEAD + b"\r\n", _CHUNKS]],
+    ids=["length", "chunked"],
+)
+def test_a_request_that_asks_to_close_is_not_reused(reads: list[bytes]) -> None:
+    """A `--header Connection: close` closes the connection after its response, whoever
+    reads the body (h11, or the event stream's own `_chunked`)."""
+    stream = b"event-stream" in reads[0]
+    ask = (("Connection", "close"),)
+    verdict, _ = read_response(reads, adapter_for("llama"), stream=stream, ask=ask)
+    assert verdict == ("end", False)
 
 
 def test_a_switch_of_protocols_is_not_http() -> None:
