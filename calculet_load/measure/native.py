@@ -38,16 +38,15 @@ from pathlib import Path
 # the rest stay as they are. Their msgspec Structs live in measure.fastshapes: msgspec
 # builds each with a metaclass of its own, which compiled classes cannot have.
 NATIVE_MODULES = ("chunked", "sse", "response", "protocols")
+# their sources, as paths from the project's root (mypyc names modules by them)
+NATIVE_SOURCES = tuple(f"calculet_load/measure/{name}.py" for name in NATIVE_MODULES)
 SOURCE_DIR = Path(__file__).resolve().parent
-BUILD_DIR = SOURCE_DIR.parents[1] / "build" / "native"
+ROOT = SOURCE_DIR.parents[1]
+BUILD_DIR = ROOT / "build" / "native"
 STAMP_FILE = "STAMP.json"
 # whose declared types the compiled code checks, or which compiles it
 VERSIONED = ("mypy", "h11", "msgspec")
 STATE = "not loaded"
-
-
-def _root() -> Path:
-    return SOURCE_DIR.parents[1]
 
 
 def _versions() -> str:
@@ -63,15 +62,14 @@ def _versions() -> str:
 def sources() -> list[str]:
     """The compiled modules and every first-party module they import, transitively (paths
     from the project's root)."""
-    root = _root()
-    todo = [f"calculet_load/measure/{name}.py" for name in NATIVE_MODULES]
+    todo = list(NATIVE_SOURCES)
     seen: list[str] = []
     while todo:
         rel = todo.pop(0)
         if rel in seen:
             continue
         seen.append(rel)
-        for node in ast.walk(ast.parse((root / rel).read_bytes())):
+        for node in ast.walk(ast.parse((ROOT / rel).read_bytes())):
             names = (
                 [a.name for a in node.names]
                 if isinstance(node, ast.Import)
@@ -82,20 +80,19 @@ def sources() -> list[str]:
             for name in names:
                 if name.split(".")[0] != "calculet_load":
                     continue
-                path = root / name.replace(".", "/")
+                path = ROOT / name.replace(".", "/")
                 for found in (path.with_suffix(".py"), path / "__init__.py"):
                     if found.is_file():
-                        todo.append(str(found.relative_to(root)))
+                        todo.append(str(found.relative_to(ROOT)))
                         break
     return seen
 
 
 def digest(files: list[str]) -> str:
     """What a build is valid for: this interpreter, the versions, the listed files."""
-    root = _root()
     h = hashlib.sha256(_versions().encode() + b"\n")
     for rel in files:
-        h.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
+        h.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -107,7 +104,7 @@ def _valid(build: Path) -> str | None:
     try:
         made = json.loads(stamp.read_text())
         files = [str(f) for f in made["files"]]
-        if not set(f"calculet_load/measure/{n}.py" for n in NATIVE_MODULES) <= set(files):
+        if not set(NATIVE_SOURCES) <= set(files):
             return "the build is of other modules: scripts/setup builds it again"
         if made["digest"] != digest(files):
             return "the build is of other sources: scripts/setup builds it again"
@@ -196,10 +193,9 @@ def _compile(out: Path) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cwd = os.getcwd()
-        os.chdir(_root())  # mypyc names the modules by their paths from the project's root
+        os.chdir(ROOT)  # mypyc names the modules by their paths from the project's root
         try:
-            paths = [f"calculet_load/measure/{name}.py" for name in NATIVE_MODULES]
-            ext = mypycify(paths, opt_level="3", target_dir=os.path.join(tmp, "c"))
+            ext = mypycify(list(NATIVE_SOURCES), opt_level="3", target_dir=os.path.join(tmp, "c"))
             dist = Distribution({"name": "calculet-load-native", "ext_modules": ext})
             cmd = dist.get_command_obj("build_ext")
             cmd.build_lib, cmd.build_temp = str(out), os.path.join(tmp, "o")
