@@ -40,8 +40,7 @@ from pathlib import Path
 NATIVE_MODULES = ("chunked", "sse", "response", "protocols")
 # their sources, as paths from the project's root (mypyc names modules by them)
 NATIVE_SOURCES = tuple(f"calculet_load/measure/{name}.py" for name in NATIVE_MODULES)
-SOURCE_DIR = Path(__file__).resolve().parent
-ROOT = SOURCE_DIR.parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the project's
 BUILD_DIR = ROOT / "build" / "native"
 STAMP_FILE = "STAMP.json"
 # whose declared types the compiled code checks, or which compiles it

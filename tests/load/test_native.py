@@ -131,7 +131,7 @@ def test_a_build_of_other_sources_is_not_used(
     assert "calculet_load/measure/fastshapes.py" in files  # imported: its types are compiled in
     assert "calculet_load/schema/records.py" in files
     _project(tmp_path / "src")
-    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path / "src" / "calculet_load" / "measure")
+    monkeypatch.setattr(native, "ROOT", tmp_path / "src")
     build = tmp_path / "build"
     monkeypatch.setattr(native, "BUILD_DIR", build)
     _fake_build(build, files)
