@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from calculet_load.measure import native
 from calculet_load.schema.runfolder import read_records
 from tests.ports import free_port
 
@@ -156,6 +157,40 @@ def test_dockerfile_builds_what_compose_runs() -> None:
         if "-f" in s["command"]:
             assert _value(s["command"], "-f").split("/")[0] in copied
     assert "configs" in copied  # named mixes
+
+
+def test_the_image_compiles_the_modules_a_response_is_read_with() -> None:
+    """The image builds what scripts/setup builds (measure.native), with the same command,
+    from sources already copied in, with the extra that holds mypyc; the compiler comes
+    and goes within the one step, and a failed build fails the image (`&&` throughout)."""
+    steps = _dockerfile()
+    install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "pip" in a)
+    run = " ".join(steps[install][1])
+    setup = (REPO / "scripts" / "setup").read_text()
+    build = re.search(r"python (-c '[^']*native\.build\(\)[^']*')", setup)
+    assert build is not None, "scripts/setup's build command"
+    parts = [p.strip() for p in run.split("&&")]
+    assert parts == [
+        "apt-get update",
+        "apt-get install -y --no-install-recommends gcc libc6-dev",
+        'pip install -e ".[native]"',
+        f"python {build[1]}",
+        "apt-get purge -y --auto-remove gcc libc6-dev",
+        "rm -rf /var/lib/apt/lists/*",
+    ], parts
+    # what native.build compiles is in the image before that step
+    copied = {src.rstrip("/") for w, a in steps[:install] if w == "COPY" for src in a[:-1]}
+    for rel in native.sources():
+        assert rel.split("/")[0] in copied, rel
+    # the extra holds what native.buildable() asks for (mypyc is mypy's)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    extra = {
+        re.split(r"[<>=\[ ]", r)[0] for r in project["project"]["optional-dependencies"]["native"]
+    }
+    assert extra == {"mypy", "setuptools"}, extra
+    assert extra <= {
+        re.split(r"[<>=\[ ]", r)[0] for r in project["project"]["optional-dependencies"]["dev"]
+    }
 
 
 # ------------------------------------------------------------------ the same commands, run

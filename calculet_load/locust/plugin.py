@@ -71,6 +71,7 @@ from calculet_load.locust.worker import (
     _mix,
     options,
 )
+from calculet_load.measure import native
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE, IO_ENGINES
 from calculet_load.measure.prompts import WorkloadError
 from calculet_load.measure.sink import sink_status
@@ -234,6 +235,11 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
     # each for the collector to scan while it is in flight (locust.heap).
     gevent.config.track_greenlet_tree = False
     runner = environment.runner
+    # which code reads the responses, and so what a request costs this process's CPU
+    # (docs/measurement.md, "Compiled modules on a token event's path"): in every log
+    (log.info if native.STATE.startswith("on") else log.warning)(
+        "calculet-load's compiled modules: %s", native.STATE
+    )
     if not isinstance(runner, WorkerRunner):
         STATE.master = Coordinator(environment, lambda: STATE.worker)
     if isinstance(runner, WorkerRunner):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from calculet_load.measure import native
 from tests.load.locustproc import LOCUSTFILE
 from tests.simproc import SimProcess
 
@@ -42,6 +43,8 @@ def test_a_short_run_lasts_its_whole_run_time(
     )  # fmt: skip
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
+    # the process says which code reads its responses (what a request costs its CPU)
+    assert f"calculet-load's compiled modules: {native.STATE}" in log, log[-3000:]
     armed = _stamp(log, f"Run time limit set to {run_time_s} seconds")
     reached = _stamp(log, "--run-time limit reached")
     # a busy machine only makes the run longer; shorter is the stale clock (ms stamps)
