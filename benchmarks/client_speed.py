@@ -64,6 +64,7 @@ import psutil
 
 from calculet_load.measure import native
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
+from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -130,6 +131,9 @@ class Point:
     cpu_us_per_request: float = float("nan")
     err: dict[str, float] = field(default_factory=dict)  # "ttft_p50" -> ms
     cpu_ratio: float = float("nan")  # cpu per request / the reference's
+    # calculet-load's CPU µs per request by thread over the same window: "engine" (the
+    # I/O engine's loop), "main" (the greenlets), "sink" (the writer), "other"
+    threads: dict[str, float] = field(default_factory=dict)
     verdict: str = ""  # calculet: its own verdict (exit code and what it named)
     note: str = ""
     load: float = float("nan")  # the 1-minute load average when the point started
@@ -176,6 +180,7 @@ class CpuWindow:
     def __init__(self, server: ExactServer) -> None:
         self.server = server
         self.samples: list[tuple[float, float, int]] = []
+        self.threads: list[dict[int, tuple[str, float]]] = []  # per sample: by thread
         self.last = 0
 
     def count(self) -> int:
@@ -201,8 +206,10 @@ class CpuWindow:
                 first = now
             elif first is not None and (now - first >= 1.0) and not self.samples:
                 self.samples.append((now, _cpu(ps), n))
+                self.threads.append(_threads_cpu(proc.pid))
             elif self.samples and now - first >= seconds - 1.5:
                 self.samples.append((now, _cpu(ps), n))
+                self.threads.append(_threads_cpu(proc.pid))
                 return
             time.sleep(0.1)
 
@@ -214,6 +221,37 @@ class CpuWindow:
         rate = (n2 - n1) / (t2 - t1)
         per = (c2 - c1) / (n2 - n1) * 1e6 if n2 > n1 else float("nan")
         return rate, 100 * (c2 - c1) / (t2 - t1), per
+
+    def thread_figures(self) -> dict[str, float]:
+        """CPU µs per request by thread kind over the window, from the threads alive at
+        both ends (one that started or ended meanwhile is left out)."""
+        if len(self.samples) < 2 or len(self.threads) < 2:
+            return {}
+        n = self.samples[-1][2] - self.samples[0][2]
+        a, b = self.threads[0], self.threads[-1]
+        out: dict[str, float] = {}
+        for tid, (kind, s) in b.items():
+            if tid in a and a[tid][0] == kind and n > 0:
+                out[kind] = out.get(kind, 0.0) + (s - a[tid][1]) / n * 1e6
+        return out
+
+
+def _threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Process `pid`'s threads: each one's kind (its main thread, the threads
+    calculet-load names in measure.threads: the I/O engine's loop, the sink's writer;
+    "other") and CPU seconds, from its scheduler statistics (ns on the CPU)."""
+    kinds = {ENGINE_THREAD: "engine", SINK_THREAD: "sink"}
+    out: dict[int, tuple[str, float]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # it ended meanwhile
+                task, tid = f"/proc/{pid}/task/{name}", int(name)
+                with open(f"{task}/comm") as f:
+                    comm = f.read().strip()
+                with open(f"{task}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                out[tid] = ("main" if tid == pid else kinds.get(comm, "other"), ns / 1e9)
+    return out
 
 
 def _cpu_of(ps: psutil.Process) -> float:
@@ -277,6 +315,7 @@ def run_calculet(
     window.watch(proc, seconds)
     _, err = proc.communicate(timeout=seconds + 120)
     p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
+    p.threads = window.thread_figures()
     reported = read_calculet(run_dir, p)
     truth = server.truth()
     p.requests = len(truth)
@@ -485,6 +524,13 @@ def row(p: Point) -> str:
     )
 
 
+def thread_line(p: Point) -> str:
+    """calculet-load's CPU per request by thread, engine first."""
+    order = ("engine", "main", "sink", "other")
+    parts = [f"{k} {p.threads[k]:,.0f}" for k in order if k in p.threads]
+    return "threads (µs/req): " + ", ".join(parts)
+
+
 HEADER = (
     f"  {'client':<15} {'point':>8} {'reqs':>6} {'fail':>4} {'req/s':>7} "
     f"{'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8} "
@@ -499,8 +545,10 @@ MEANING = """\
   reference client's at the same point of this run; load is the 1-minute load average
   when the point started (the machine's other work and the previous point). verdict:
   calculet-load's own exit codes (Locust run, then `calculet-load analyze`); FLAGGED = it
-  said the point is not to be trusted (exit 3). A busy machine makes every client look
-  worse: compare clients within one run."""
+  said the point is not to be trusted (exit 3). threads: calculet-load's µs/req split by
+  thread over the same window (engine: the I/O engine's loop; main: the greenlets, i.e.
+  Locust's users, the dispatcher, the records and live statistics; sink: the Parquet
+  writer). A busy machine makes every client look worse: compare clients within one run."""
 
 
 def engine_client(engine: str) -> str:
@@ -677,6 +725,8 @@ def main() -> None:
                     print(row(p), flush=True)
                     if p.note:
                         print(f"  {'':<15} {'':>8} note: {p.note}", flush=True)
+                    if "engine" in p.threads:
+                        print(f"  {'':<15} {'':>8} {thread_line(p)}", flush=True)
     finally:
         server.stop()
     la = os.getloadavg()

@@ -72,6 +72,20 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     floor = [p for p in points if p["client"] == "floor"]
     assert all(p["cpu_ratio"] > 0 for p in ours + floor), ours + floor
     assert all(p["verdict"].startswith("locust exit ") for p in ours), ours
+    # calculet-load's CPU split by thread (measure.threads names them): the thread
+    # engine's loop, the greenlets' main thread and the sink's writer, adding up to the
+    # process's figure (less threads that started or ended inside the window)
+    assert "threads (µs/req): engine " in done.stdout
+    for p in ours:
+        t = p["threads"]
+        assert set(t) >= (
+            {"engine", "main", "sink"} if p["client"].endswith("thread") else {"main", "sink"}
+        ), p
+        assert ("engine" in t) == p["client"].endswith("thread"), p
+        assert t["main"] > 0 and all(v >= 0 for v in t.values()), p
+        assert (
+            0.7 * p["cpu_us_per_request"] <= sum(t.values()) <= 1.02 * p["cpu_us_per_request"] + 5
+        ), p
 
 
 def test_the_targets_are_judged_from_the_points() -> None:

@@ -59,6 +59,7 @@ from calculet_load.measure.response import (
     run_stopped,
     wire,
 )
+from calculet_load.measure.threads import ENGINE_THREAD, name_this_thread
 from calculet_load.schema.records import TokenEvent
 
 T = TypeVar("T")
@@ -108,6 +109,7 @@ class IoEngine:
         ready.acquire()
 
         def main() -> None:
+            name_this_thread(ENGINE_THREAD)
             asyncio.set_event_loop(self.loop)
             self.loop.call_soon(ready.release)
             self.loop.run_forever()

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from calculet_load.measure.threads import SINK_THREAD, name_this_thread
 from calculet_load.schema.arrow import (
     SelfWatchRow,
     records_table,
@@ -190,6 +191,7 @@ class PartSink:
     # --- the writer thread ------------------------------------------------------------
     def _writer_main(self) -> None:
         self.writer_tid = _original("_thread", "get_native_id")()
+        name_this_thread(SINK_THREAD)
         _yield_the_core(self.writer_tid)
         try:
             self._writer()

@@ -8,6 +8,8 @@ The hostile-server cases and the TLS proxy's run on both engines in their own fi
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import time
 from collections.abc import Callable
@@ -22,6 +24,8 @@ from calculet_load.locust.accuracy import Accuracy
 from calculet_load.measure import engine
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.sink import PartSink
+from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
 from calculet_load.schema.records import RequestRecord
 from tests.load.hostile import Sleep, serve
 from tests.load.locustproc import LocustRun
@@ -235,3 +239,27 @@ def test_a_slow_connect_is_the_requests_and_not_flagged(
     acc = Accuracy()
     acc.observe(record)
     assert acc.problems(10.0) == []
+
+
+def test_the_engine_and_the_sink_name_their_threads(tmp_path: Path) -> None:
+    """`top -H`, `ps -L` and benchmarks/client_speed.py tell the engine's loop and the
+    sink's writer from the main thread by their OS names (measure.threads)."""
+
+    def names() -> dict[int, str]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                out[int(tid)] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        return out
+
+    engine.IoEngine.shared()
+    assert ENGINE_THREAD in names().values()
+    sink = PartSink(str(tmp_path), "w00")
+    try:
+        deadline = time.monotonic() + 10
+        while names().get(sink.writer_tid or -1) != SINK_THREAD:
+            assert time.monotonic() < deadline, names()
+            time.sleep(0.01)
+    finally:
+        sink.close()
+    assert names().get(os.getpid()) not in (ENGINE_THREAD, SINK_THREAD)  # the main one
