@@ -239,8 +239,10 @@ class CpuWindow:
 def _threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """Process `pid`'s threads: each one's kind (its main thread, the threads
     calculet-load names in measure.threads: the I/O engine's loop, the sink's writer;
-    "other") and CPU seconds, from its scheduler statistics (ns on the CPU)."""
+    "other") and CPU seconds, from its scheduler statistics (ns on the CPU; a kernel
+    without them: its user and system ticks)."""
     kinds = {ENGINE_THREAD: "engine", SINK_THREAD: "sink"}
+    tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, tuple[str, float]] = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(f"/proc/{pid}/task"):
@@ -248,9 +250,14 @@ def _threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
                 task, tid = f"/proc/{pid}/task/{name}", int(name)
                 with open(f"{task}/comm") as f:
                     comm = f.read().strip()
-                with open(f"{task}/schedstat") as f:
-                    ns = int(f.read().split()[0])
-                out[tid] = ("main" if tid == pid else kinds.get(comm, "other"), ns / 1e9)
+                try:
+                    with open(f"{task}/schedstat") as f:
+                        cpu_s = int(f.read().split()[0]) / 1e9
+                except FileNotFoundError:
+                    with open(f"{task}/stat") as f:  # fields 14, 15 after the (comm)
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    cpu_s = (int(fields[11]) + int(fields[12])) / tick
+                out[tid] = ("main" if tid == pid else kinds.get(comm, "other"), cpu_s)
     return out
 
 
