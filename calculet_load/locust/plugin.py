@@ -232,7 +232,7 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
     # gevent records each new greenlet's spawner and up to 10 of its stack's frames,
     # for debugging tools this process does not run: a greenlet per request, 10-11 µs to
     # spawn and run without it against 18-21 with it, and five fewer tracked objects
-    # each for the collector to scan while it is in flight (locust.heap).
+    # each for the collector to scan while it is in flight (measure.heap).
     gevent.config.track_greenlet_tree = False
     runner = environment.runner
     # which code reads the responses, and so what a request costs this process's CPU

@@ -29,11 +29,11 @@ from locust.runners import WorkerRunner
 from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.locust import clocksync as locust_clocksync
 from calculet_load.locust.accuracy import Accuracy
-from calculet_load.locust.heap import PACER
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
+from calculet_load.measure.heap import PACER
 from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
@@ -136,7 +136,7 @@ class Worker:
         self.closed_seq = 0
         self.target_users = plan.users
         self.stopping = False
-        self.paced = False  # this run started the process's heap pacer (locust.heap)
+        self.paced = False  # this run started the process's heap pacer (measure.heap)
         self._prompts: dict[tuple[int, int], Prompt] = {}
         self._factory: PromptFactory | None = None
         manifest = load_manifest(self.opts.manifest) if self.opts.manifest else None
@@ -242,7 +242,7 @@ class Worker:
         except (WorkloadError, OSError) as exc:  # the first request reports it as data
             log.error("%s: cannot prepare the load: %s", self.name, exc)
         finally:
-            PACER.start()  # start-up's objects frozen, collections paced (locust.heap)
+            PACER.start()  # start-up's objects frozen, collections paced (measure.heap)
             self.paced = True
             self.watch.end_warmup()
             self.ready.set()

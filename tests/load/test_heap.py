@@ -1,4 +1,4 @@
-"""The Locust process's heap pacer (calculet_load.locust.heap): collections by time, not
+"""The Locust process's heap pacer (calculet_load.measure.heap): collections by time, not
 by Python's allocation count; start-up frozen; Python's thresholds back when it stops."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 import gevent
 import pytest
 
-from calculet_load.locust.heap import BACKSTOP_THRESHOLDS, HeapPacer
+from calculet_load.measure.heap import BACKSTOP_THRESHOLDS, HeapPacer
 
 
 class _Node:

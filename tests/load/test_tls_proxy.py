@@ -136,8 +136,8 @@ def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
     prompt = _prompt(access)
     # a run id per engine: the simulator's trace is shared, its request ids must not be
     session = Session(RunContext(f"tls-timing-{engine}", "w00"), access, "llama")
-    # The heap frozen before the load, as a Locust worker freezes its own
-    # (calculet_load/locust/worker.py, `freeze_heap`): the suite's process holds every
+    # The heap frozen before the load, as a Locust worker's and a driver's pacer freezes
+    # theirs (calculet_load/measure/heap.py): the suite's process holds every
     # collected test, and a full collection of it during a gevent read (stamped when the
     # read returns, over TLS) made one token 11.7 ms late in a fresh-clone run.
     gc.collect()

@@ -1,4 +1,7 @@
-"""A Locust process's heap during a run: start-up frozen, collections paced by time.
+"""A client process's heap during a run: start-up frozen, collections paced by time.
+
+Every process that sends a run's requests holds it: a Locust worker (locust.worker) and
+a driver's client (drive.RunClient: accept, the fault matrix, soak).
 
 A garbage collection holds the interpreter lock, so while it runs the I/O engine's
 thread can neither send nor read: a send waits (the open loop's send lag), and a read
@@ -43,8 +46,9 @@ BACKSTOP_THRESHOLDS = (50_000, 10, 12_500)
 
 class HeapPacer:
     """Start-up's objects frozen out of the collector's reach (`gc.freeze`) and the
-    collections paced on the gevent loop, while at least one user (a run's Worker) has
-    it started; `stop` by the last user puts Python's thresholds back."""
+    collections paced on the gevent loop, while at least one user (a run's Worker, a
+    driver's client) has it started; `stop` by the last user puts Python's thresholds
+    back and unfreezes."""
 
     def __init__(
         self,
@@ -83,6 +87,9 @@ class HeapPacer:
         self._greenlet.kill()
         self._greenlet = None
         gc.set_threshold(*self._saved)
+        # what start froze is the collector's again: a process that runs more than one
+        # driver (a test session) frees the cycles it left meanwhile
+        gc.unfreeze()
 
     def _run(self) -> None:
         young = 0
