@@ -64,7 +64,7 @@ import psutil
 
 from calculet_load.measure import native
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
-from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
+from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, SINK_THREAD
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -132,7 +132,8 @@ class Point:
     err: dict[str, float] = field(default_factory=dict)  # "ttft_p50" -> ms
     cpu_ratio: float = float("nan")  # cpu per request / the reference's
     # calculet-load's CPU µs per request by thread over the same window: "engine" (the
-    # I/O engine's loop), "main" (the greenlets), "sink" (the writer), "other"
+    # I/O engine's loop), "reader" (its native reader), "main" (the greenlets), "sink"
+    # (the writer), "other"
     threads: dict[str, float] = field(default_factory=dict)
     verdict: str = ""  # calculet: its own verdict (exit code and what it named)
     note: str = ""
@@ -238,10 +239,10 @@ class CpuWindow:
 
 def _threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """Process `pid`'s threads: each one's kind (its main thread, the threads
-    calculet-load names in measure.threads: the I/O engine's loop, the sink's writer;
-    "other") and CPU seconds, from its scheduler statistics (ns on the CPU; a kernel
+    calculet-load names in measure.threads: the I/O engine's loop, its native reader, the
+    sink's writer; "other") and CPU seconds, from its scheduler statistics (ns on the CPU; a kernel
     without them: its user and system ticks)."""
-    kinds = {ENGINE_THREAD: "engine", SINK_THREAD: "sink"}
+    kinds = {ENGINE_THREAD: "engine", READER_THREAD: "reader", SINK_THREAD: "sink"}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, tuple[str, float]] = {}
     with contextlib.suppress(OSError):
@@ -533,7 +534,7 @@ def row(p: Point) -> str:
 
 def thread_line(p: Point) -> str:
     """calculet-load's CPU per request by thread, engine first."""
-    order = ("engine", "main", "sink", "other")
+    order = ("engine", "reader", "main", "sink", "other")
     parts = [f"{k} {p.threads[k]:,.0f}" for k in order if k in p.threads]
     return "threads (µs/req): " + ", ".join(parts)
 
@@ -553,7 +554,8 @@ MEANING = """\
   when the point started (the machine's other work and the previous point). verdict:
   calculet-load's own exit codes (Locust run, then `calculet-load analyze`); FLAGGED = it
   said the point is not to be trusted (exit 3). threads: calculet-load's µs/req split by
-  thread over the same window (engine: the I/O engine's loop; main: the greenlets, i.e.
+  thread over the same window (engine: the I/O engine's loop; reader: its native thread
+  that reads and stamps plain sockets' bytes; main: the greenlets, i.e.
   Locust's users, the dispatcher, the records and live statistics; sink: the Parquet
   writer). A busy machine makes every client look worse: compare clients within one run."""
 

@@ -59,7 +59,7 @@ from calculet_load.measure.response import (
     run_stopped,
     wire,
 )
-from calculet_load.measure.threads import ENGINE_THREAD, name_this_thread
+from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, name_this_thread
 from calculet_load.schema.records import TokenEvent
 
 T = TypeVar("T")
@@ -75,6 +75,21 @@ _allocate_lock = get_original("_thread", "allocate_lock")
 _get_ident = get_original("_thread", "get_ident")
 _socket = get_original("socket", "socket")
 _REQUEST = tuple[str, list[tuple[str, str]], bytes]
+# "1": plain sockets are read by the native reader (measure/reader.c) where it is built;
+# otherwise on the engine's loop, as TLS ones are. Opt-in for now: in one of six short
+# Locust runs with it, one self-watch sample saw the gevent loop held 9 ms, not yet
+# explained (docs/measurement.md, "The native reader").
+NATIVE_READS_ENV = "CALCULET_NATIVE_READS"
+READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "0") == "1"
+
+
+def _new_reader() -> Any:
+    """The native reader (measure/reader.c), or None when it is not built (measure.native)."""
+    try:
+        from calculet_load.measure import _reader  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _reader.Reader(READER_THREAD)
 
 
 def _new_loop() -> tuple[asyncio.AbstractEventLoop, str]:
@@ -102,6 +117,9 @@ class IoEngine:
     def __init__(self) -> None:
         self.loop, self.kind = _new_loop()
         self.backlog = _Backlog(self.loop)  # reads waiting to be parsed (a late loop)
+        # plain sockets' reads in a native thread, handed to the loop (`_on_reads`)
+        self.reader = _new_reader()
+        self.reading: dict[int, _Response] = {}  # the responses it reads, by fd
         # per controller thread (its hub): finished calls, and the watcher that wakes it
         self._hubs: dict[int, tuple[Any, collections.deque[tuple[Any, Any, bool]]]] = {}
         self._out: dict[int, int] = {}  # calls waiting, per watcher
@@ -111,6 +129,8 @@ class IoEngine:
         def main() -> None:
             name_this_thread(ENGINE_THREAD)
             asyncio.set_event_loop(self.loop)
+            if self.reader is not None:
+                self.loop.add_reader(self.reader.fileno(), self._on_reads)
             self.loop.call_soon(ready.release)
             self.loop.run_forever()
 
@@ -120,6 +140,13 @@ class IoEngine:
         # calculet_load/locust/plugin.py). docs/measurement.md has what each did to
         # this engine's tails in a Locust worker (stops 24 and 26).
         ready.acquire()  # a few ms, once per process
+
+    def _on_reads(self) -> None:
+        """The native reader has reads a response must see now."""
+        for fd in self.reader.ready():
+            resp = self.reading.get(fd)
+            if resp is not None:
+                resp.deliver()
 
     def _waker(self) -> tuple[Any, collections.deque[tuple[Any, Any, bool]]]:
         key = _get_ident()
@@ -376,17 +403,23 @@ class _Response(Reads):
     then parsed (`respond`) at once or, when the loop is late, after the reads waiting
     (`_Backlog`); the read timeouts on one lazily re-armed timer."""
 
-    __slots__ = ("backlog", "clock", "ended", "expiry", "fd", "fut", "gen", "kind", "limit_s",
-                 "loop", "queued", "since", "sock", "timer", "timer_at", "tls")  # fmt: skip
+    __slots__ = ("backlog", "cancel", "clock", "ended", "engine", "expiry", "fd", "fut", "gen",
+                 "kind", "lazy", "limit_s", "loop", "native", "queued", "since", "sock", "timer",
+                 "timer_at", "tls")  # fmt: skip
 
     def __init__(
-        self, backlog: _Backlog, sock: socket.socket, conn: Any, run: Run,
+        self, engine: IoEngine, sock: socket.socket, conn: Any, run: Run,
         ns: dict[str, int | None], timeouts: Timeouts, deadline: int, cancel: CancelAt,
     ) -> None:  # fmt: skip
         self.tls = isinstance(sock, BioTLS)  # its reads carry stamps too (EnginePool._open)
         stamps = CMSG_SPACE > 0 and type(run.clock) is SystemClock
         super().__init__(run, ns, timeouts, deadline, stamps)
-        self.backlog, self.loop = backlog, backlog.loop
+        self.engine, self.backlog = engine, engine.backlog
+        self.loop = engine.loop
+        # the native reader reads a plain socket whose reads carry the kernel's stamps
+        self.native = READ_NATIVELY and engine.reader is not None and stamps and not self.tls
+        self.lazy = False  # ... and tells the loop at the response's end only
+        self.cancel = cancel
         self.sock, self.clock, self.fd = sock, run.clock, sock.fileno()
         self.fut: asyncio.Future[bool] = self.loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
@@ -399,6 +432,8 @@ class _Response(Reads):
         next(self.gen)  # to its first read
 
     async def wait(self) -> bool:
+        if self.native:
+            return await self._wait_native()
         try:
             self._arm()
             self.loop.add_reader(self.fd, self._on_readable)
@@ -407,6 +442,40 @@ class _Response(Reads):
             self.loop.remove_reader(self.fd)
             if self.timer is not None:
                 self.timer.cancel()
+
+    async def _wait_native(self) -> bool:
+        reader, reading = self.engine.reader, self.engine.reading
+        try:
+            self._arm()
+            reading[self.fd] = self
+            reader.watch(self.fd, False)
+            return await self.fut
+        finally:
+            reader.unwatch(self.fd)
+            reading.pop(self.fd, None)
+            if self.timer is not None:
+                self.timer.cancel()
+
+    def deliver(self) -> None:
+        """The reads the native reader made of this response's socket, in order: each
+        stamped as it was made, then parsed (`parse`). Once the head is read and the body
+        is an event stream's chunks, the reader tells the loop at the stream's end only
+        (a cancel mid-stream wants each read as it comes)."""
+        for data, t, wall, stamp, err in self.engine.reader.take(self.fd):
+            if self.fut.done() or self.ended:
+                return
+            taken: _Taken
+            if err:  # as a failed read on the loop says it (`_on_readable`)
+                taken = Fail("connection_reset", str(OSError(err, os.strerror(err))))
+                self.ended = True
+            else:
+                self.since = t  # the idle limit runs from the read
+                taken = self.native_read(data, t, wall, stamp)
+                self.ended = not data
+            self.parse(taken)
+        if not self.lazy and self.chunked and self.cancel is None and not self.fut.done():
+            self.lazy = True
+            self.engine.reader.lazy(self.fd, True)
 
     def _arm(self) -> None:
         """The next read's limit from now (Fail when the total deadline passed); the
@@ -424,6 +493,8 @@ class _Response(Reads):
         """A read waited its limit, or the timer is early: the limit runs from the last
         read (`since`), worked out here rather than at every read."""
         self.timer = None
+        if self.native and not self.fut.done():
+            self.deliver()  # the reads the reader holds: the limit runs from the last
         if self.fut.done():
             return
         try:
@@ -556,7 +627,7 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
         if job.cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
-        resp = _Response(pool.engine.backlog, sock, conn, run, ns, timeouts, deadline, job.cancel)
+        resp = _Response(pool.engine, sock, conn, run, ns, timeouts, deadline, job.cancel)
         reusable = await resp.wait()
     except Fail as f:
         fail_into(out, f, job.cancel)

@@ -40,6 +40,9 @@ from pathlib import Path
 NATIVE_MODULES = ("chunked", "sse", "response", "protocols")
 # their sources, as paths from the project's root (mypyc names modules by them)
 NATIVE_SOURCES = tuple(f"calculet_load/measure/{name}.py" for name in NATIVE_MODULES)
+# C sources built beside them: the native reader the thread engine reads plain sockets
+# with (reader.c: its thread reads and stamps each read without the interpreter lock)
+NATIVE_C = {"_reader": "calculet_load/measure/reader.c"}
 ROOT = Path(__file__).resolve().parents[2]  # the project's
 BUILD_DIR = ROOT / "build" / "native"
 STAMP_FILE = "STAMP.json"
@@ -59,8 +62,8 @@ def _versions() -> str:
 
 
 def sources() -> list[str]:
-    """The compiled modules and every first-party module they import, transitively (paths
-    from the project's root)."""
+    """The compiled modules and every first-party module they import, transitively, and
+    the C sources (paths from the project's root)."""
     todo = list(NATIVE_SOURCES)
     seen: list[str] = []
     while todo:
@@ -84,7 +87,7 @@ def sources() -> list[str]:
                     if found.is_file():
                         todo.append(str(found.relative_to(ROOT)))
                         break
-    return seen
+    return seen + list(NATIVE_C.values())
 
 
 def digest(files: list[str]) -> str:
@@ -103,14 +106,16 @@ def _valid(build: Path) -> str | None:
     try:
         made = json.loads(stamp.read_text())
         files = [str(f) for f in made["files"]]
-        if not set(NATIVE_SOURCES) <= set(files):
+        if not {*NATIVE_SOURCES, *NATIVE_C.values()} <= set(files):
             return "the build is of other modules: scripts/setup builds it again"
         if made["digest"] != digest(files):
             return "the build is of other sources: scripts/setup builds it again"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"the build's stamp is unreadable ({exc}): scripts/setup builds it again"
     ext = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    wanted = [build / "calculet_load" / "measure" / f"{n}{ext}" for n in NATIVE_MODULES]
+    wanted = [
+        build / "calculet_load" / "measure" / f"{n}{ext}" for n in (*NATIVE_MODULES, *NATIVE_C)
+    ]
     if not all(p.is_file() for p in wanted) or not list(build.glob(f"*__mypyc{ext}")):
         return "the build is missing files: scripts/setup builds it again"
     return None
@@ -130,7 +135,7 @@ def enable(package_path: list[str]) -> str:
     # mypyc's shared library is a top-level module beside the package's modules
     sys.path.append(str(BUILD_DIR))
     package_path.insert(0, str(BUILD_DIR / "calculet_load" / "measure"))
-    STATE = f"on (mypyc: {', '.join(NATIVE_MODULES)})"
+    STATE = f"on (mypyc: {', '.join(NATIVE_MODULES)}; C: {', '.join(NATIVE_C)})"
     return STATE
 
 
@@ -180,7 +185,7 @@ def build() -> int:
             shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(new, ignore_errors=True)
-    print(f"calculet-load: compiled {', '.join(NATIVE_MODULES)} into {BUILD_DIR}")
+    print(f"calculet-load: compiled {', '.join([*NATIVE_MODULES, *NATIVE_C])} into {BUILD_DIR}")
     return 0
 
 
@@ -188,13 +193,17 @@ def _compile(out: Path) -> None:
     import tempfile
 
     from mypyc.build import mypycify
-    from setuptools import Distribution
+    from setuptools import Distribution, Extension
 
     with tempfile.TemporaryDirectory() as tmp:
         cwd = os.getcwd()
         os.chdir(ROOT)  # mypyc names the modules by their paths from the project's root
         try:
             ext = mypycify(list(NATIVE_SOURCES), opt_level="3", target_dir=os.path.join(tmp, "c"))
+            for name, src in NATIVE_C.items():
+                ext.append(
+                    Extension(f"calculet_load.measure.{name}", [src], extra_compile_args=["-O2"])
+                )
             dist = Distribution({"name": "calculet-load-native", "ext_modules": ext})
             cmd = dist.get_command_obj("build_ext")
             cmd.build_lib, cmd.build_temp = str(out), os.path.join(tmp, "o")

@@ -353,10 +353,15 @@ def kernel_ns(
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
             sec, nsec = _TIMESPEC.unpack_from(data)
-            k = int(sec) * 1_000_000_000 + int(nsec) - (wall_ns - read_ns)
-            if floor - _KERNEL_SLACK_NS <= k <= read_ns:
-                return max(k, floor)
-            return None
+            return kernel_wall_ns(int(sec) * 1_000_000_000 + int(nsec), read_ns, wall_ns, floor)
+    return None
+
+
+def kernel_wall_ns(stamp: int, read_ns: int, wall_ns: int, floor: int) -> int | None:
+    """`kernel_ns` of a receive time already read from its message (CLOCK_REALTIME ns)."""
+    k = stamp - (wall_ns - read_ns)
+    if floor - _KERNEL_SLACK_NS <= k <= read_ns:
+        return max(k, floor)
     return None
 
 
@@ -591,8 +596,8 @@ class Reads:
     bounds the next read, the stamp each read gives its bytes (the kernel's receive time
     where it gives one), the read waits and the first token's late bound."""
 
-    __slots__ = ("deadline", "eof", "first", "last_stamp", "ns", "out", "read_at", "run",
-                 "stamps", "t", "timeouts")  # fmt: skip
+    __slots__ = ("chunked", "deadline", "eof", "first", "last_stamp", "ns", "out", "read_at",
+                 "run", "stamps", "t", "timeouts")  # fmt: skip
 
     def __init__(
         self, run: Run, ns: dict[str, int | None], timeouts: Timeouts, deadline: int,
@@ -608,6 +613,9 @@ class Reads:
         self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
         self.eof = False
         self.stamps = stamps  # reads carry the kernel's receive time
+        # `respond` reads an event stream's chunked body (`_chunked`): its end is the last
+        # chunk's CRLF CRLF (the thread engine's native reads wait for it: measure.engine)
+        self.chunked = False
 
     def limit(self, now: int) -> tuple[float, str]:
         """How long the next read may wait from `now` (s) and the error class if it does."""
@@ -659,6 +667,20 @@ class Reads:
         if data:
             self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
         return data, closed, t, kernel, prev
+
+    def native_read(
+        self, data: bytes, t: int, wall: int, stamp: int
+    ) -> tuple[bytes, bool, int, int | None, int]:
+        """`stamped_read` of a read another thread made (measure.engine's native reads):
+        its bytes, when it returned (`t`, monotonic; `wall`, the wall clock read right
+        after) and the kernel's receive time of its bytes (`stamp`, CLOCK_REALTIME ns, or
+        -1). Reads are given in the order they were made."""
+        prev = self.read_at or self.ns["t1"] or self.ns["t0"] or 0
+        floor = max(self.last_stamp, self.ns["t1"] or self.ns["t0"] or 0)  # not before
+        kernel = kernel_wall_ns(stamp, t, wall, floor) if stamp >= 0 and self.stamps else None
+        if data:
+            self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
+        return data, False, t, kernel, prev
 
     def took(
         self, data: bytes, closed: bool, t: int, kernel: int | None, prev: int | None = None
@@ -753,6 +775,7 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
                 # it reads the body itself: from the request's head and this response's
                 # (a `Connection: close` on either side, an HTTP/1.0 response)
                 keep = bool(cast(Any, conn)._cstate.keep_alive)
+                rd.chunked = True
                 return (yield from _chunked(rd, body, status, cancel)) and keep
         elif isinstance(event, h11.InformationalResponse):
             continue

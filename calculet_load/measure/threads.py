@@ -1,5 +1,6 @@
-"""The client's own threads by name: the I/O engine's loop (`ENGINE_THREAD`) and the
-sink's writer (`SINK_THREAD`) name themselves in the OS, so `top -H`, `ps -L` and
+"""The client's own threads by name: the I/O engine's loop (`ENGINE_THREAD`), its native
+reader (`READER_THREAD`, named in measure/reader.c) and the sink's writer (`SINK_THREAD`)
+name themselves in the OS, so `top -H`, `ps -L` and
 benchmarks/client_speed.py (its CPU per request per thread) tell them from the process's
 main thread, where the greenlets run (Locust's users, the dispatcher, the records)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 ENGINE_THREAD = "cl-engine"
+READER_THREAD = "cl-reader"
 SINK_THREAD = "cl-sink"
 
 

@@ -54,11 +54,15 @@ from tests.ports import free_port
 pytestmark = pytest.mark.timeout(20)
 
 
-@pytest.fixture(autouse=True, params=["gevent", "thread", "thread-backlog"])
+@pytest.fixture(autouse=True, params=["gevent", "thread", "thread-loop", "thread-backlog"])
 def io_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every case on both I/O engines: the gevent one (measure.client) and the thread one
-    (measure.engine) must give the same outcome; the thread one also with every read
-    parsed after it was queued (as when its loop is late: measure.engine._Backlog)."""
+    (measure.engine) must give the same outcome; the thread one with its native reader
+    (where it is built: measure.native), with reads on its loop (`thread-loop`), and with
+    every read on its loop parsed after it was queued (as when the loop is late:
+    measure.engine._Backlog)."""
+    # the native reader where it is built (else the loop's reads: test_reader.py says why)
+    monkeypatch.setattr(engine_module, "READ_NATIVELY", request.param == "thread")
     if request.param == "thread-backlog":
         monkeypatch.setattr(engine_module, "LATE_READ_NS", -1)
     if request.param.startswith("thread"):

@@ -111,7 +111,7 @@ def _project(root: Path) -> None:
 def _fake_build(build: Path, files: list[str]) -> None:
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     (build / "calculet_load" / "measure").mkdir(parents=True)
-    for name in native.NATIVE_MODULES:
+    for name in (*native.NATIVE_MODULES, *native.NATIVE_C):
         (build / "calculet_load" / "measure" / f"{name}{ext}").write_bytes(b"")
     (build / f"0123__mypyc{ext}").write_bytes(b"")
     (build / native.STAMP_FILE).write_text(

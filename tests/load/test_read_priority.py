@@ -139,7 +139,15 @@ def _lateness_ms(outs: list[Outcome], sent: dict[str, list[int]]) -> list[list[f
 
 
 @pytest.mark.serial  # ms timings
-def test_a_late_loop_reads_every_stream_before_it_parses() -> None:
+@pytest.mark.parametrize("reads", ["loop", "native"])
+def test_a_late_loop_reads_every_stream_before_it_parses(
+    reads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the loop: read first, parsed after (`_Backlog`). Natively: the reader's thread
+    reads while the loop is blocked (measure/reader.c); the same bound either way."""
+    if reads == "native" and engine.IoEngine.shared().reader is None:
+        pytest.skip("the native reader is not built (measure.native)")
+    monkeypatch.setattr(engine, "READ_NATIVELY", reads == "native")
     outs, sent = _fan_out()
     late = _lateness_ms(outs, sent)
     # every token keeps its own arrival: no read came after the next token's
@@ -153,6 +161,8 @@ def test_parsed_as_read_the_last_streams_lose_their_first_tokens_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # the contrast that shows what the backlog is for: never late, so parsed at each read
+    # (reads on the loop: the native reader reads in a thread of its own)
+    monkeypatch.setattr(engine, "READ_NATIVELY", False)
     monkeypatch.setattr(engine, "LATE_READ_NS", 10**12)
     outs, sent = _fan_out()
     late = _lateness_ms(outs, sent)
