@@ -75,12 +75,10 @@ _allocate_lock = get_original("_thread", "allocate_lock")
 _get_ident = get_original("_thread", "get_ident")
 _socket = get_original("socket", "socket")
 _REQUEST = tuple[str, list[tuple[str, str]], bytes]
-# "1": plain sockets are read by the native reader (measure/reader.c) where it is built;
-# otherwise on the engine's loop, as TLS ones are. Opt-in for now: in one of six short
-# Locust runs with it, one self-watch sample saw the gevent loop held 9 ms, not yet
-# explained (docs/measurement.md, "The native reader").
+# Plain sockets are read by the native reader (measure/reader.c) where it is built; "0":
+# on the engine's loop, as TLS ones are (docs/measurement.md, "The native reader")
 NATIVE_READS_ENV = "CALCULET_NATIVE_READS"
-READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "0") == "1"
+READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "1") != "0"
 
 
 def _new_reader() -> Any:

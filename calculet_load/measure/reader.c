@@ -202,19 +202,24 @@ static void *thread_main(void *arg) {
                 continue;
             break;
         }
-        int tell = 0;
-        pthread_mutex_lock(&self->lock);
-        if (self->stop) {
-            pthread_mutex_unlock(&self->lock);
-            break;
-        }
-        for (int i = 0; i < n; i++) {
+        int tell = 0, stop = 0;
+        /* the lock for one read at a time: the engine's calls wait for it (without the
+         * interpreter lock: lock_released) no longer than a read */
+        for (int i = 0; i < n && !stop; i++) {
             int fd = events[i].data.fd;
-            if (fd == self->wake || fd < 0 || fd >= self->nslots)
-                continue;
-            tell |= read_one(self, fd, buf, cbuf, clen);
+            pthread_mutex_lock(&self->lock);
+            stop = self->stop;
+            if (!stop && fd != self->wake && fd >= 0 && fd < self->nslots)
+                tell |= read_one(self, fd, buf, cbuf, clen);
+            pthread_mutex_unlock(&self->lock);
         }
-        pthread_mutex_unlock(&self->lock);
+        if (!stop) {
+            pthread_mutex_lock(&self->lock);
+            stop = self->stop;
+            pthread_mutex_unlock(&self->lock);
+        }
+        if (stop)
+            break;
         if (tell) {
             uint64_t one = 1;
             ssize_t w = write(self->notify, &one, sizeof(one));
@@ -224,6 +229,17 @@ static void *thread_main(void *arg) {
     free(buf);
     free(cbuf);
     return NULL;
+}
+
+/* The engine's calls take the lock without holding the interpreter's while they wait:
+ * the reader's thread can be descheduled with the lock held (a busy machine), and a wait
+ * that holds the interpreter lock holds every greenlet with it. */
+static void lock_released(Reader *self) {
+    if (pthread_mutex_trylock(&self->lock) == 0)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->lock);
+    Py_END_ALLOW_THREADS
 }
 
 static int grow(Reader *self, int fd) {
@@ -289,7 +305,7 @@ static void stop_thread(Reader *self) {
         pthread_mutex_init(&self->lock, NULL);
         return;
     }
-    pthread_mutex_lock(&self->lock);
+    lock_released(self);
     self->stop = 1;
     pthread_mutex_unlock(&self->lock);
     uint64_t one = 1;
@@ -325,7 +341,7 @@ static PyObject *Reader_watch(Reader *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "a negative file descriptor");
         return NULL;
     }
-    pthread_mutex_lock(&self->lock);
+    lock_released(self);
     if (grow(self, fd) < 0) {
         pthread_mutex_unlock(&self->lock);
         return PyErr_NoMemory();
@@ -355,7 +371,7 @@ static PyObject *Reader_lazy(Reader *self, PyObject *args) {
     int fd, lazy;
     if (!PyArg_ParseTuple(args, "ip", &fd, &lazy))
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    lock_released(self);
     if (fd >= 0 && fd < self->nslots)
         self->slots[fd].lazy = lazy;
     pthread_mutex_unlock(&self->lock);
@@ -366,7 +382,7 @@ static PyObject *Reader_unwatch(Reader *self, PyObject *args) {
     int fd;
     if (!PyArg_ParseTuple(args, "i", &fd))
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    lock_released(self);
     if (fd >= 0 && fd < self->nslots) {
         Slot *s = &self->slots[fd];
         if (s->watched)
@@ -385,7 +401,7 @@ static PyObject *Reader_take(Reader *self, PyObject *args) {
     int fd;
     if (!PyArg_ParseTuple(args, "i", &fd))
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    lock_released(self);
     Read *r = NULL;
     if (fd >= 0 && fd < self->nslots) {
         Slot *s = &self->slots[fd];
@@ -416,7 +432,7 @@ static PyObject *Reader_ready(Reader *self, PyObject *noargs) {
     uint64_t count;
     ssize_t got = read(self->notify, &count, sizeof(count));
     (void)got;
-    pthread_mutex_lock(&self->lock);
+    lock_released(self);
     PyObject *out = PyList_New(0);
     for (int i = 0; i < self->nready; i++) {
         int fd = self->ready[i];
