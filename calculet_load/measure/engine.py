@@ -431,7 +431,12 @@ class _Response(Reads):
 
     async def wait(self) -> bool:
         if self.native:
-            return await self._wait_native()
+            try:
+                self.engine.reader.watch(self.fd, False)
+            except OSError:  # the reader cannot take it (out of memory): the loop reads
+                self.native = False
+            else:
+                return await self._wait_native()
         try:
             self._arm()
             self.loop.add_reader(self.fd, self._on_readable)
@@ -442,11 +447,11 @@ class _Response(Reads):
                 self.timer.cancel()
 
     async def _wait_native(self) -> bool:
+        """Wait for the response, its socket watched by the reader (`wait` began it)."""
         reader, reading = self.engine.reader, self.engine.reading
         try:
-            self._arm()
             reading[self.fd] = self
-            reader.watch(self.fd, False)
+            self._arm()
             return await self.fut
         finally:
             reader.unwatch(self.fd)

@@ -277,3 +277,29 @@ def test_a_forked_child_lets_go_of_its_parents_reader() -> None:
     r.close()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_reader
+def test_a_socket_the_reader_cannot_take_is_read_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = IoEngine()
+    real = engine.reader
+
+    class Refuses:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def watch(self, fd: int, lazy: bool) -> None:
+            raise OSError(errno.ENOMEM, "no room")
+
+    engine.reader = Refuses()
+    monkeypatch.setattr(engine_module, "READ_NATIVELY", True)
+    with serve(_stream(3, 0.01)) as server:
+        pool = EnginePool(Endpoint(server.url), 1, engine=engine)
+        try:
+            out = _request(pool, "req-loop")
+        finally:
+            pool.close()
+    assert out.ok, out.error_detail
+    assert (out.output_tokens, out.stamp_source) == (3, "kernel")
