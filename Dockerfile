@@ -16,7 +16,7 @@ COPY analysis ./analysis
 # Then the modules on a token event's path are compiled (calculet_load/measure/native.py:
 # 17-32 % less CPU per request on a worker's I/O engine thread), and the native reader
 # (calculet_load/measure/reader.c: plain sockets read and stamped in a thread of their
-# own, stop 33), with the `native` extra
+# own: opt-in, CALCULET_NATIVE_READS=1, stop 33), with the `native` extra
 # (mypy's mypyc, setuptools) and a C compiler installed for the build and removed after
 # it. A build that fails fails the image: a worker never runs slower than documented
 # without saying so.

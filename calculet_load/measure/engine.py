@@ -75,10 +75,11 @@ _allocate_lock = get_original("_thread", "allocate_lock")
 _get_ident = get_original("_thread", "get_ident")
 _socket = get_original("socket", "socket")
 _REQUEST = tuple[str, list[tuple[str, str]], bytes]
-# Plain sockets are read by the native reader (measure/reader.c) where it is built; "0":
-# on the engine's loop, as TLS ones are (docs/measurement.md, "The native reader")
+# "1": plain sockets are read by the native reader (measure/reader.c) where it is built;
+# otherwise on the engine's loop, as TLS ones are. Opt-in for now: on a busy 2-core
+# machine the open loop's send lag grew with it (docs/measurement.md, "The native reader")
 NATIVE_READS_ENV = "CALCULET_NATIVE_READS"
-READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "1") != "0"
+READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "0") == "1"
 
 
 def _new_reader() -> Any:
@@ -461,7 +462,9 @@ class _Response(Reads):
 
     def deliver(self) -> None:
         """The reads the native reader made of this response's socket, in order: each
-        stamped as it was made, then parsed (`parse`). Once the head is read and the body
+        stamped as it was made, then queued to be parsed (`_Backlog`: in runs of at most
+        PARSE_SLICE_NS, so a response's events, read at its end all at once, do not hold
+        the loop's timers: the open loop's sends). Once the head is read and the body
         is an event stream's chunks, the reader tells the loop at the stream's end only
         (a cancel mid-stream wants each read as it comes)."""
         for data, t, wall, stamp, err in self.engine.reader.take(self.fd):
@@ -475,8 +478,19 @@ class _Response(Reads):
                 self.since = t  # the idle limit runs from the read
                 taken = self.native_read(data, t, wall, stamp)
                 self.ended = not data
-            self.parse(taken)
-        if not self.lazy and self.chunked and self.cancel is None and not self.fut.done():
+            self.queued += 1
+            self.backlog.add(self, taken)
+
+    def parse(self, taken: _Taken) -> None:
+        """Take a read's bytes into the response (its stamps, then `respond`)."""
+        self._parse(taken)
+        if (
+            self.native
+            and not self.lazy
+            and self.chunked
+            and self.cancel is None
+            and not self.fut.done()
+        ):
             self.lazy = True
             self.engine.reader.lazy(self.fd, True)
 
@@ -542,8 +556,7 @@ class _Response(Reads):
         else:
             self.parse(taken)
 
-    def parse(self, taken: _Taken) -> None:
-        """Take a read's bytes into the response (its stamps, then `respond`)."""
+    def _parse(self, taken: _Taken) -> None:
         if self.fut.done():
             return  # failed or cancelled meanwhile: nothing to add
         fresh = not self.first  # no byte yet: this read ends the first-byte wait
