@@ -646,8 +646,7 @@ class Reads:
         the bytes' kernel receive time or None, when the read before returned). What the
         bytes mean is `took`'s and the parser's, now or later (the thread engine parses
         after the reads waiting when its loop is late: measure.engine)."""
-        prev = self.read_at or self.ns["t1"] or self.ns["t0"] or 0
-        floor = max(self.last_stamp, self.ns["t1"] or self.ns["t0"] or 0)  # not before
+        prev, floor = self._bounds()
         kernel = None
         if self.stamps and not tls:
             data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
@@ -668,6 +667,11 @@ class Reads:
             self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
         return data, closed, t, kernel, prev
 
+    def _bounds(self) -> tuple[int, int]:
+        """A read's (when the read before it returned, the earliest its stamp may be)."""
+        sent = self.ns["t1"] or self.ns["t0"] or 0
+        return self.read_at or sent, max(self.last_stamp, sent)  # the stamp: not before
+
     def native_read(
         self, data: bytes, t: int, wall: int, stamp: int
     ) -> tuple[bytes, bool, int, int | None, int]:
@@ -675,8 +679,7 @@ class Reads:
         its bytes, when it returned (`t`, monotonic; `wall`, the wall clock read right
         after) and the kernel's receive time of its bytes (`stamp`, CLOCK_REALTIME ns, or
         -1). Reads are given in the order they were made."""
-        prev = self.read_at or self.ns["t1"] or self.ns["t0"] or 0
-        floor = max(self.last_stamp, self.ns["t1"] or self.ns["t0"] or 0)  # not before
+        prev, floor = self._bounds()
         kernel = kernel_wall_ns(stamp, t, wall, floor) if stamp >= 0 and self.stamps else None
         if data:
             self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
