@@ -52,14 +52,22 @@ def test_capacity_search_finds_the_saturation_point(start_sim: StartSim, tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     doc = json.loads((tmp_path / "capacity.json").read_text())
     found = doc["stable_max_qps"]
-    assert abs(found - expected) / expected <= 0.10, (found, expected, proc.stdout)
-    assert doc["first_unstable_qps"] > found and doc["time_scale"] == 0.1 and doc["rehearsal"]
     curve = {w["rate"]: w for w in doc["curve"]}
-    assert curve[1.0]["stable"] and curve[2.0]["stable"] and not curve[4.0]["stable"]
-    # above saturation the backlog grows and the served rate stays at ~1/T
-    over = curve[4.0]["metrics"]
-    assert over["backlog_growth"] > 10
-    assert abs(over["served_rate"] - expected) / expected < 0.15
+    # Above saturation the backlog grows and the device serves what it can: the capacity
+    # the search must find is that served rate, measured in this run. It is about 1/T:
+    # 2.35-2.42 against 2.49 alone (the simulator's own work between device jobs takes a
+    # little time, counted 10x at time scale 0.1), lower when the machine is starved (the
+    # search found 1.94 once in a CI run's parallel phase, its rate-2 window unstable).
+    # The highest rate tried is the doubling's first unstable one (4 alone, 2 that time).
+    top = curve[max(curve)]
+    served = top["metrics"]["served_rate"]
+    assert not top["stable"], top
+    assert 0.7 * expected < served < 1.05 * expected, (served, expected)
+    assert abs(found - served) / served <= 0.10, (found, served, expected, proc.stdout)
+    assert doc["first_unstable_qps"] > found and doc["time_scale"] == 0.1 and doc["rehearsal"]
+    # well below the capacity every window is stable, well above none is
+    assert all(w["stable"] for r, w in curve.items() if r <= 0.8 * served), curve
+    assert not any(w["stable"] for r, w in curve.items() if r >= 1.2 * served), curve
     assert "stable max" in proc.stdout and "capacity curve" in proc.stdout
     assert list(tmp_path.glob("client/w00/part-*.requests.parquet"))
 

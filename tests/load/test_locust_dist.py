@@ -90,12 +90,19 @@ def test_open_loop_poisson_across_two_workers(
     gaps_s = np.diff(intended) / 1e9
     assert stats.kstest(gaps_s, "expon", args=(0, 1 / rate)).pvalue > 0.01
     # every intended time is exactly the k-th arrival of the seeded global schedule
+    # The schedule's origin on the monotonic clock: each record gives it as its intended
+    # instant minus the wall time of that instant after the origin (its wall anchor, read
+    # just before its send, less its send lag). An anchor read late (the thread preempted
+    # between its wall and monotonic reads: 8.5 ms once on a busy machine) is off by the
+    # delay, so the median of all the records' figures, not the first record's.
     plan = index["plan"]
-    first = int(np.argmin(_col(t, "ext.intended_start_ns")))
-    origin_mono = _col(t, "ext.intended_start_ns")[first] - (
-        _col(t, "ext.wall_anchor_ns")[first]
-        - plan["origin_wall_ns"]
-        - int(_col(t, "ext.send_lag_ms")[first] * 1e6)
+    lag_ns = np.array([x or 0.0 for x in _col(t, "ext.send_lag_ms")]) * 1e6
+    origin_mono = int(
+        np.median(
+            np.array(_col(t, "ext.intended_start_ns"), dtype=np.float64)
+            - (np.array(_col(t, "ext.wall_anchor_ns"), dtype=np.float64) - plan["origin_wall_ns"])
+            + lag_ns
+        )
     )
     rel_s = (intended - origin_mono) / 1e9
     # workers get the stop at slightly different instants: compare up to the first stop
@@ -110,9 +117,32 @@ def test_open_loop_poisson_across_two_workers(
     # so within about 19 %; the law itself is checked to 1 % in test_arrivals.py)
     span_s = rel_s[-1]
     assert abs(len(rel_s) - rate * span_s) < 4 * np.sqrt(rate * span_s)
-    # and each was sent at its time: open loop, not delayed by responses
+    # and each was sent at its time: open loop, not delayed by responses. On its time: the
+    # median send within a few ms. Not held by responses: requests overlap beyond the 2
+    # users (a closed loop keeps at most one in flight per user), and the tail stays
+    # bounded (a sender held by responses falls behind for good: 2 users serve 2/e2e,
+    # 15/s at a quiet 137-ms e2e, and the lag would grow through the run to seconds).
+    # The tail's size is the machine's: in the parallel phase, a dozen other processes on
+    # 2 cores, both workers' sends stalled together for up to 1.1 s (P99 0.69-0.81 s),
+    # their self-watch seeing a 50-ms loop lag at 12 % CPU: starved, not busy. The
+    # client's own check flags such a run (send_lag, exit 3; tests/load/test_accuracy.py).
     lag = np.array([x for x in _col(t, "ext.send_lag_ms") if x is not None])
-    assert np.percentile(lag, 99) < 250, np.percentile(lag, [50, 99, 100])
+    late = sorted(
+        (round(x, 1), round((i - origin_mono) / 1e9, 3), w)
+        for x, i, w in zip(
+            _col(t, "ext.send_lag_ms"),
+            _col(t, "ext.intended_start_ns"),
+            _col(t, "ext.worker"),
+            strict=True,
+        )
+        if x is not None
+    )[-8:]
+    assert np.percentile(lag, 50) < 20, (np.percentile(lag, [50, 99, 100]), late)
+    assert np.percentile(lag, 99) < 2000, (np.percentile(lag, [50, 99, 100]), late)
+    sent_at = np.array(_col(t, "client_ns.request_start"), dtype=np.float64)
+    ended_at = np.array(_col(t, "client_ns.response_end"), dtype=np.float64)
+    overlap = max(int(((sent_at <= s) & (ended_at > s)).sum()) for s in sent_at)
+    assert overlap > 3 * 2, overlap
     # the mix: all three entries of §6.3 occur, short most often
     cells = _col(t, "ext.cell")
     assert cells.count("short") > cells.count("medium") > cells.count("long") > 0
