@@ -202,10 +202,13 @@ class Run:
 
     def on_sse(self, data: bytes, t: int, cancel: CancelAt) -> bool:
         """Feed stream bytes that arrived at t; True when the client should stop now."""
+        long_line: SSELineTooLong | None = None
         try:
             events = self.parser.feed(data)
-        except SSELineTooLong as long_line:  # a name of its own: compiled code types it
-            raise Fail("malformed_sse", str(long_line)) from None
+        except SSELineTooLong as too_long:  # a name of its own: compiled code types it
+            # the events complete before the line are the stream's, read in order first
+            # (as the fast path reads them, event by event), then the line fails it
+            events, long_line = too_long.events, too_long
         for i, ev in enumerate(events):
             if i & 15 == 15 and self.pause is not None:
                 # A backlog read can hold hundreds of events: all are stamped at its
@@ -224,6 +227,8 @@ class Run:
                 return True
             if isinstance(cancel, int) and len(self.out.token_events) >= cancel:
                 return True
+        if long_line is not None:
+            raise Fail("malformed_sse", str(long_line))
         if self.parser.invalid_utf8:
             raise Fail("invalid_utf8", f"{self.parser.invalid_utf8} invalid UTF-8 sequence(s)")
         return False
@@ -834,6 +839,11 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
     closed = False
     while True:
         pos = 0
+        if quick and body.between and not run.parser.between and _PLAIN_HEAD.match(data):
+            # the stream's first bytes are `data: `, no BOM: its first event may go the
+            # fast way too (before, it waited for the parser's BOM check: a token event
+            # in 64 through the general path and Python's own JSON decoder)
+            run.parser.no_bom()
         if quick and body.between and run.parser.between:
             end, limit = len(data), run.parser.max_line_bytes
             while pos < end and (m := _PLAIN_HEAD.match(data, pos)) is not None:

@@ -181,6 +181,15 @@ class SSEParser:
     def max_line_bytes(self) -> int:
         return self._max_line_bytes
 
+    def no_bom(self) -> None:
+        """Before the first byte: the stream is known not to open with a BOM (its first
+        bytes are `data: `). The parser is then `between` events from the start, as `feed`
+        leaves it after the BOM check, so a caller may read the first event itself. Does
+        nothing once bytes were fed."""
+        if self._bom_pending and not self._fed and not self._buf:
+            self._bom_pending = False
+            self._guarded = self._closed or self._skip_lf or self._failed_at is not None
+
     def skip(self, n: int) -> None:
         """Consume `n` bytes the caller read as whole events of `data:` lines, `between`
         events: the parser is left as `feed` leaves it after them (between events, the

@@ -275,9 +275,25 @@ def test_the_common_stream_takes_the_fast_path_and_reads_the_same(proto: str) ->
     assert [e[2] for e in out["token_events"]] == [10_000 * (i + 2) for i in range(40)]
     if proto == "llama":
         assert out["server_total"] == 40 and out["cached_tokens"] == 2
-    # the first event waits for the parser's first read (the BOM check): the rest but
-    # the end ([DONE], llama.cpp's stop event) go the fast way
-    assert taken == 39
+    # every token event goes the fast way, the first too (the stream opens with `data: `:
+    # no BOM for the parser to strip, SSEParser.no_bom); the end ([DONE], llama.cpp's
+    # stop event) goes the general way
+    assert taken == 40
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_a_stream_that_opens_with_a_bom_reads_the_same(proto: str) -> None:
+    # the SSE parser strips a BOM at the stream's start: that first event goes the general
+    # way, the rest the fast way, and both read the same as the general path alone
+    events = [_token(n, proto) for n in range(1, 11)] + [_last(10, proto)]
+    first = _chunk(b"\xef\xbb\xbfdata: %s\n\n" % events[0], 0)
+    body = first + b"".join(_chunk(b"data: %s\n\n" % e, 0) for e in events[1:]) + END
+    per_chunk = [HEAD, first, *(_chunk(b"data: %s\n\n" % e, 0) for e in events[1:]), END]
+    for reads in ([HEAD, body], [HEAD + body[:5], body[5:]], per_chunk):
+        fast, slow, taken = _both(reads, proto)
+        assert fast == slow
+        assert fast[0] == ("end", True) and fast[1]["output_tokens"] == 10
+    assert taken == 9  # read per chunk: the token events after the first
 
 
 def test_a_read_of_many_chunks_and_chunks_cut_across_reads_read_the_same() -> None:
@@ -293,7 +309,7 @@ def test_a_read_of_many_chunks_and_chunks_cut_across_reads_read_the_same() -> No
         assert fast[1]["output_tokens"] == 29
     first = body.index(b"\r\n", body.index(b"\r\n") + 2) + 2
     _, _, taken = _both([HEAD, body[:first], body[first:]], "openai-completions")
-    assert taken == 28  # the rest in one read: every event but [DONE]
+    assert taken == 29  # each read's events but [DONE]
 
 
 @pytest.mark.parametrize(("proto", "odd"), [(p, i) for p in PROTOCOLS for i in range(len(_odd(p)))])
@@ -396,4 +412,4 @@ def test_the_fast_path_is_off_when_a_cancel_is_asked() -> None:
     assert taken == [0]
     with _fast_reads() as taken:
         verdict, _ = read_response(reads, OpenAIAdapter(False))
-    assert verdict == ("more",) and taken == [4]  # the same reads, no cancel: fast
+    assert verdict == ("more",) and taken == [5]  # the same reads, no cancel: fast
