@@ -30,6 +30,7 @@ QUIET_LANES = {
     "tests/load/test_soak_stage_rules.py": 1,  # [25]
     "tests/analysis/test_report_browser.py": 2,  # [48]
     "tests/load/test_pipeline.py": 2,  # [32]
+    "tests/load/test_capacity.py": 2,  # [60]: its capacity search only
     "tests/load/test_soak.py": 3,  # [40]
     "tests/analysis/test_e2e_stability.py": 3,  # [32]
     "tests/load/test_record_safety.py": 3,  # [9]
