@@ -554,7 +554,7 @@ class _Response(Reads):
             self.queued += 1
             self.backlog.add(self, taken)
         else:
-            self.parse(taken)
+            self._parse(taken)  # read on the loop: no reader to make lazy (`parse`)
 
     def _parse(self, taken: _Taken) -> None:
         if self.fut.done():

@@ -204,18 +204,14 @@ static void *thread_main(void *arg) {
         }
         int tell = 0, stop = 0;
         /* the lock for one read at a time: the engine's calls wait for it (without the
-         * interpreter lock: lock_released) no longer than a read */
+         * interpreter lock: lock_released) no longer than a read. With no timeout, n >= 1:
+         * `stop` is read at each event, and stop_thread wakes this wait after setting it */
         for (int i = 0; i < n && !stop; i++) {
             int fd = events[i].data.fd;
             pthread_mutex_lock(&self->lock);
             stop = self->stop;
             if (!stop && fd != self->wake && fd >= 0 && fd < self->nslots)
                 tell |= read_one(self, fd, buf, cbuf, clen);
-            pthread_mutex_unlock(&self->lock);
-        }
-        if (!stop) {
-            pthread_mutex_lock(&self->lock);
-            stop = self->stop;
             pthread_mutex_unlock(&self->lock);
         }
         if (stop)

@@ -839,13 +839,15 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
     closed = False
     while True:
         pos = 0
-        if quick and body.between and not run.parser.between and _PLAIN_HEAD.match(data):
+        parser = run.parser
+        fast = quick and body.between
+        if fast and not parser.between and _PLAIN_HEAD.match(data):
             # the stream's first bytes are `data: `, no BOM: its first event may go the
             # fast way too (before, it waited for the parser's BOM check: a token event
             # in 64 through the general path and Python's own JSON decoder)
-            run.parser.no_bom()
-        if quick and body.between and run.parser.between:
-            end, limit = len(data), run.parser.max_line_bytes
+            parser.no_bom()
+        if fast and parser.between:
+            end, limit = len(data), parser.max_line_bytes
             while pos < end and (m := _PLAIN_HEAD.match(data, pos)) is not None:
                 size = int(m[1], 16)  # "data: " + the data + "\n\n"
                 start = m.end()
