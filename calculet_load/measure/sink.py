@@ -91,6 +91,7 @@ class PartSink:
         compression: str = "zstd",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        use_system_allocator()
         self.fs, root = resolve_fs(run_dir)
         self.dir = f"{root.rstrip('/')}/client/{worker}"
         self.fs.create_dir(self.dir, recursive=True)
@@ -333,6 +334,23 @@ TOKENS_ZSTD_LEVEL = 5
 # first three with TokenEvent untracked by the garbage collector). The writer still gets
 # the core whenever the others wait, and a share when they do not.
 WRITER_NICENESS = 10
+
+
+def use_system_allocator() -> None:
+    """Arrow's allocations in this process from the C library's malloc, unless the user
+    named a pool (ARROW_DEFAULT_MEMORY_POOL).
+
+    pyarrow's default, mimalloc, now and then spent 5-29 ms of CPU inside one
+    `pa.array` of 4,096 request ids (0.2 ms as a rule) while the writer converted a part,
+    and `pa.array` holds the interpreter lock: the event loop and the I/O engine's
+    thread stopped with it. Against benchmarks/exact_server.py at 160 req/s on one core
+    (stop 35), the open loop's sends came up to 29-81 ms late and reads waited up to
+    28-73 ms in about half the points, and the self-watch flagged the run; with the
+    system allocator, or jemalloc, none did, and the writer's CPU for a part of 102,400
+    token events was the same (31.2-31.7 ms against 30.4). docs/measurement.md has
+    the figures."""
+    if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        pa.set_memory_pool(pa.system_memory_pool())
 
 
 def _yield_the_core(tid: int) -> None:

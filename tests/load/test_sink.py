@@ -354,6 +354,39 @@ def test_the_writer_thread_yields_the_core(tmp_path: Path) -> None:
     assert s.close().complete
 
 
+@pytest.mark.parametrize("named", [None, "jemalloc"])
+def test_a_sink_puts_arrow_on_the_system_allocator_unless_a_pool_is_named(
+    tmp_path: Path, named: str | None
+) -> None:
+    """mimalloc, pyarrow's default, now and then spent tens of ms inside one conversion
+    while holding the interpreter lock (sink.use_system_allocator): a process that
+    records allocates Arrow memory with malloc, unless the user named a pool. In a
+    fresh process, so that the pool this one started with does not count."""
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if named:
+        env["ARROW_DEFAULT_MEMORY_POOL"] = named
+    code = textwrap.dedent(
+        f"""
+        import pyarrow as pa
+        from calculet_load.measure.sink import PartSink
+        before = pa.default_memory_pool().backend_name
+        s = PartSink({str(tmp_path)!r}, "w1")
+        stats = s.close()
+        print(before, pa.default_memory_pool().backend_name, stats.complete)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    before, after, complete = out.stdout.split()
+    if named:
+        assert before == after == named
+    else:
+        assert before != "system" and after == "system"
+    assert complete == "True"
+
+
 def test_token_events_are_delta_encoded_and_read_back_exactly(tmp_path: Path) -> None:
     """The token parts store their integer columns delta-encoded and request_id in a
     dictionary (sink.TOKENS_ENCODING); every value reads back as written, a large
