@@ -15,6 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from calculet_load.measure import native
+from calculet_load.measure.engine import READ_NATIVELY
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -60,6 +63,14 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
         ("calculet:thread", "closed", 4.0),
     ]
     assert "floor: a Python read loop with kernel stamps, parsing nothing, took " in done.stdout
+    # the native reader is the thread engine's default where it is built: the Locust
+    # process's reader thread did the reads (its CPU), and the header says so
+    on = READ_NATIVELY and "_reader" in native.STATE
+    reads = "the native reader" if on else "its loop"
+    assert f"the thread engine reads plain sockets with {reads} " in done.stdout
+    for p in points:
+        if on and p["client"] == "calculet:thread":
+            assert p["threads"].get("reader", 0) > 0, p["threads"]
     for p in points:
         assert p["requests"] >= 10, p  # counted by the server
         assert p["failed"] == 0, p
