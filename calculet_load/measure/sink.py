@@ -343,7 +343,7 @@ def use_system_allocator() -> None:
     pyarrow's default, mimalloc, now and then spent 5-29 ms of CPU inside one
     `pa.array` of 4,096 request ids (0.2 ms as a rule) while the writer converted a part,
     and `pa.array` holds the interpreter lock: the event loop and the I/O engine's
-    thread stopped with it. Against benchmarks/exact_server.py at 160 req/s on one core
+    thread stopped with it. Against benchmarks/exact_server.py at 80-160 req/s on one core
     (stop 35), the open loop's sends came up to 29-81 ms late and reads waited up to
     28-73 ms in about half the points, and the self-watch flagged the run; with the
     system allocator, or jemalloc, none did, and the writer's CPU for a part of 102,400
