@@ -63,7 +63,7 @@ import numpy as np
 import psutil
 
 from calculet_load.measure import native
-from calculet_load.measure.engine import DEFAULT_IO_ENGINE, NATIVE_READS_ENV, READ_NATIVELY
+from calculet_load.measure.engine import DEFAULT_IO_ENGINE, NATIVE_READS_ENV, reads_natively
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, SINK_THREAD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -700,7 +700,7 @@ def main() -> None:
     )
     # what calculet-load's processes import from this tree, in this environment
     print(f"calculet-load's compiled modules (calculet_load.measure.native): {native.STATE}")
-    reads = "the native reader" if READ_NATIVELY and "_reader" in native.STATE else "its loop"
+    reads = "the native reader" if reads_natively() else "its loop"
     print(f"the thread engine reads plain sockets with {reads} ({NATIVE_READS_ENV}=0: its loop)")
     print(HEADER, flush=True)
     points: list[Point] = []

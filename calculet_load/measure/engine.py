@@ -84,13 +84,26 @@ NATIVE_READS_ENV = "CALCULET_NATIVE_READS"
 READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "1") != "0"
 
 
-def _new_reader() -> Any:
-    """The native reader (measure/reader.c), or None when it is not built (measure.native)."""
+def _reader_module() -> Any:
+    """The native reader's module (measure/reader.c), or None when it is not built
+    (measure.native)."""
     try:
         from calculet_load.measure import _reader  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return _reader.Reader(READER_THREAD)
+    return _reader
+
+
+def reads_natively() -> bool:
+    """Whether this process's thread engine reads plain sockets with the native reader:
+    asked for (READ_NATIVELY, the default) and built."""
+    return READ_NATIVELY and _reader_module() is not None
+
+
+def _new_reader() -> Any:
+    """The native reader, or None when it is not built."""
+    module = _reader_module()
+    return None if module is None else module.Reader(READER_THREAD)
 
 
 def _new_loop() -> tuple[asyncio.AbstractEventLoop, str]:
