@@ -82,6 +82,22 @@ _REQUEST = tuple[str, list[tuple[str, str]], bytes]
 # (docs/measurement.md, "The native reader")
 NATIVE_READS_ENV = "CALCULET_NATIVE_READS"
 READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "1") != "0"
+# While reads come densely (a pass would find 3 sockets ready or more), the native reader
+# wakes at most once per this many µs and reads every ready socket in one pass: a read
+# need only come before its socket's next bytes, since the kernel stamps their arrival.
+# At 320 req/s its CPU a request fell 42 % (453 -> 263 µs); sparser, it reads each socket
+# as its bytes arrive. "0": always so (docs/measurement.md, "The native reader").
+READ_COALESCE_ENV = "CALCULET_READ_COALESCE_US"
+
+
+def _coalesce_us() -> int:
+    text = os.environ.get(READ_COALESCE_ENV, "500")
+    if not text.isdigit() or int(text) > 1_000_000:
+        raise ValueError(f"{READ_COALESCE_ENV}={text!r}: expected whole µs, 0 to 1000000")
+    return int(text)
+
+
+READ_COALESCE_US = _coalesce_us()
 
 
 def _reader_module() -> Any:
@@ -103,7 +119,7 @@ def reads_natively() -> bool:
 def _new_reader() -> Any:
     """The native reader, or None when it is not built."""
     module = _reader_module()
-    return None if module is None else module.Reader(READER_THREAD)
+    return None if module is None else module.Reader(READER_THREAD, READ_COALESCE_US * 1000)
 
 
 def _new_loop() -> tuple[asyncio.AbstractEventLoop, str]:

@@ -345,6 +345,27 @@ def ask_kernel_stamps(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 
 
+# A read's time and the wall clock read with it (`clock_pair`): read again until a
+# monotonic read after the wall one is within this of the one before it.
+PAIR_NS = 20_000
+PAIR_TRIES = 4
+
+
+def clock_pair(clock: Clock) -> tuple[int, int]:
+    """The monotonic and the wall clock on one instant: a read's time, and the wall time
+    that moves the kernel's stamp of its bytes (CLOCK_REALTIME) onto the monotonic clock
+    (`kernel_ns`). A thread preempted between the two reads would move the stamp by the
+    preemption, so the pair is read again (at most PAIR_TRIES times) until a third read
+    shows none; measure/reader.c reads its pairs the same way."""
+    t = wall = 0
+    for _ in range(PAIR_TRIES):
+        t = clock.mono_ns()
+        wall = clock.wall_ns()
+        if clock.mono_ns() - t <= PAIR_NS:
+            break
+    return t, wall
+
+
 def kernel_ns(
     anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, floor: int
 ) -> int | None:
@@ -655,8 +676,8 @@ class Reads:
         kernel = None
         if self.stamps and not tls:
             data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
-            t = clock.mono_ns()  # stamp at the byte, before any parsing
-            kernel = kernel_ns(anc, t, clock.wall_ns(), floor)
+            t, wall = clock_pair(clock)  # stamp at the byte, before any parsing
+            kernel = kernel_ns(anc, t, wall, floor)
         else:
             data = sock.recv(65536)
             t = clock.mono_ns()  # stamp at the byte, before any parsing
@@ -666,8 +687,8 @@ class Reads:
             if self.stamps and isinstance(sock, BioTLS):
                 # the TLS records' own reads carried the kernel's time: that of the last
                 # one, which completed what was decrypted (the read's time is after it)
-                t = clock.mono_ns()
-                kernel = kernel_ns(sock.take_stamp(), t, clock.wall_ns(), floor)
+                t, wall = clock_pair(clock)
+                kernel = kernel_ns(sock.take_stamp(), t, wall, floor)
         if data:
             self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
         return data, closed, t, kernel, prev

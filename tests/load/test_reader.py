@@ -199,6 +199,56 @@ def test_the_reader_names_its_thread(reader: Any) -> None:
     assert READER_THREAD in names
 
 
+@needs_reader
+def test_dense_reads_are_made_in_passes_each_with_its_own_kernel_receive_time() -> None:
+    """Coalescing: 48 sockets each sent a line every 40 ms (1.2 sends a ms in all) are read
+    in passes 4 ms apart, several sockets a pass, rather than one wake-up per
+    read; each send is still a read of its own (its socket's next send comes later than
+    a pass), and each read's kernel stamp is its bytes' arrival: after it was sent, not
+    when the pass read it."""
+    coalesce_ns, sockets, gap_s, rounds = 4_000_000, 48, 0.04, 10
+    reader = _reader.Reader(coalesce_ns=coalesce_ns)
+    srv = socket.create_server(("127.0.0.1", 0), backlog=sockets)
+    pairs = []
+    try:
+        for _ in range(sockets):
+            cli = socket.create_connection(srv.getsockname())
+            conn, _ = srv.accept()
+            cli.setblocking(False)
+            ask_kernel_stamps(cli)
+            pairs.append((cli, conn))
+            reader.watch(cli.fileno(), True)  # lazy: nothing told, all kept
+        sent: dict[int, list[int]] = {cli.fileno(): [] for cli, _ in pairs}
+        start = time.monotonic()
+        for r in range(rounds):
+            for i, (cli, conn) in enumerate(pairs):
+                at = start + (r + i / sockets) * gap_s
+                while (left := at - time.monotonic()) > 0:
+                    time.sleep(left)
+                sent[cli.fileno()].append(time.monotonic_ns())
+                conn.sendall(b"r%d\n" % r)
+        time.sleep(0.05)
+        reads = {fd: reader.take(fd) for fd in sent}
+    finally:
+        reader.close()
+        srv.close()
+        for cli, conn in pairs:
+            cli.close()
+            conn.close()
+    monos = []
+    for fd, taken in reads.items():
+        # one read a send, in order, each stamped between its send and its read
+        assert [r[0] for r in taken] == [b"r%d\n" % r for r in range(rounds)], fd
+        for (_data, mono, wall, stamp, err), before in zip(taken, sent[fd], strict=True):
+            k = kernel_wall_ns(stamp, mono, wall, before)
+            assert err == 0 and k is not None and before <= k <= mono, (before, k, mono)
+        monos += [r[1] for r in taken]
+    # a pass's reads are made one after another; passes are a sleep apart
+    monos.sort()
+    passes = 1 + sum(b - a > 300_000 for a, b in itertools.pairwise(monos))
+    assert passes * 2 <= len(monos), (passes, len(monos))
+
+
 def _stream(events: int, gap_s: float) -> list[Any]:
     script: list[Any] = [CHUNKED_HEAD]
     for n in range(1, events + 1):
@@ -303,3 +353,15 @@ def test_a_socket_the_reader_cannot_take_is_read_on_the_loop(
             pool.close()
     assert out.ok, out.error_detail
     assert (out.output_tokens, out.stamp_source) == (3, "kernel")
+
+
+def test_the_coalescing_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine_module.READ_COALESCE_ENV, "250")
+    assert engine_module._coalesce_us() == 250
+    for bad in ("-1", "0.5", "2000000", "soon"):
+        monkeypatch.setenv(engine_module.READ_COALESCE_ENV, bad)
+        with pytest.raises(ValueError, match=engine_module.READ_COALESCE_ENV):
+            engine_module._coalesce_us()
+    if _reader is not None:
+        with pytest.raises(ValueError, match="coalesce_ns"):
+            _reader.Reader(coalesce_ns=-1)
