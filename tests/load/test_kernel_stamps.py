@@ -149,3 +149,46 @@ def test_events_that_share_a_read_are_bounded_by_the_gap_since_the_read_before()
     assert 5_000_000 < first_late < 20_000_000, first_late / 1e6  # event 2's arrival
     assert out.late_bound_ns is not None and out.late_bound_ns >= first_late
     assert out.late_bound_ns < 200_000_000  # since the head's read, not the request
+
+
+class _PreemptedOnce:
+    """A clock whose thread is preempted for `gap_ns` just before its first wall read, as
+    a busy core can do to a reading thread; the wall clock is the monotonic one plus
+    OFFSET_NS, each monotonic read 1 µs after the one before."""
+
+    OFFSET_NS = 4_000_000_000
+
+    def __init__(self, gap_ns: int) -> None:
+        self.mono, self.gap_ns = 1_000_000_000, gap_ns
+        self.reads: list[str] = []
+
+    def mono_ns(self) -> int:
+        self.reads.append("mono")
+        self.mono += 1_000
+        return self.mono
+
+    def wall_ns(self) -> int:
+        self.reads.append("wall")
+        self.mono += self.gap_ns  # the preemption, once
+        self.gap_ns = 0
+        return self.mono + self.OFFSET_NS
+
+
+def test_the_clock_pair_is_read_again_when_the_thread_was_preempted_between() -> None:
+    """A read's time and the wall time that moves the kernel's stamp onto the monotonic
+    clock must be one instant: a pair with a preemption between its reads would move the
+    stamp earlier by the preemption. `clock_pair` sees the monotonic clock move past
+    PAIR_NS across the wall read and reads the pair again (measure/reader.c does the
+    same in C)."""
+    from calculet_load.measure.response import PAIR_NS, clock_pair
+
+    preempted = _PreemptedOnce(gap_ns=5_000_000)
+    assert PAIR_NS < 5_000_000
+    t, wall = clock_pair(preempted)  # type: ignore[arg-type]
+    # the first pair was 5 ms apart: read again, and the pair returned is one instant
+    assert preempted.reads == ["mono", "wall", "mono"] * 2
+    assert wall - t == _PreemptedOnce.OFFSET_NS
+    steady = _PreemptedOnce(gap_ns=0)
+    t, wall = clock_pair(steady)  # type: ignore[arg-type]
+    assert steady.reads == ["mono", "wall", "mono"]  # one try
+    assert wall - t == _PreemptedOnce.OFFSET_NS
