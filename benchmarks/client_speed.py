@@ -361,9 +361,21 @@ def failed_rules(run_dir: Path) -> list[str]:
         return []
     return [
         f"{v.get('rule')} {_figure(v.get('observed'))} > {_figure(v.get('threshold'))}"
+        + _self_watch_saw(str(v.get("reason", "")))
         for v in verdicts
         if isinstance(v, dict) and v.get("status") == "fail"
     ]
+
+
+def _self_watch_saw(reason: str) -> str:
+    """What the self-watch saw, from a client_saturation verdict's reason (its samples
+    that were saturated: the worst loop lags and their CPU), or ''."""
+    mark = "self-watch samples saturated: "
+    if mark not in reason:
+        return ""
+    head, _, rest = reason.partition(mark)
+    count = head.rsplit("; ", 1)[-1]
+    return f" ({count}{mark}{rest.split(')', 1)[0]})"
 
 
 def _figure(x: Any) -> str:

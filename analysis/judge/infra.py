@@ -104,7 +104,14 @@ def _index(ev: Evidence, rules: InfrastructureRules, rid: str) -> RuleVerdict:
 
 
 def _fraction(
-    rid: str, count: int, n: int, limit: float | None, what: str, fix: str, no_data: str | None
+    rid: str,
+    count: int,
+    n: int,
+    limit: float | None,
+    what: str,
+    fix: str,
+    no_data: str | None,
+    evidence: str = "",
 ) -> RuleVerdict:
     if limit is None:
         return _not_evaluated(rid, "disabled in the rules file", n=n)
@@ -113,10 +120,28 @@ def _fraction(
     if n == 0:
         return _not_evaluated(rid, "no data: no records to judge", limit)
     share = count / n
-    seen = f"{count} of {n} {what} ({share:.2%}); allowed {limit:.2%}"
+    seen = f"{count} of {n} {what} ({share:.2%}{evidence}); allowed {limit:.2%}"
     if share > limit:
         return _v(rid, Status.FAIL, share, limit, n, f"{seen}: {fix}")
     return _v(rid, Status.PASS, share, limit, n, seen)
+
+
+# the saturated self-watch samples a client_saturation verdict names, worst first
+SATURATED_NAMED = 3
+
+
+def _saturated_seen(samples: tuple[dict[str, Any], ...], judged: int) -> str:
+    """What the self-watch saw, for the client_saturation verdict: how many of its judged
+    samples were saturated, and the worst (by loop lag) with their lag and CPU."""
+    if not samples:
+        return ""
+    worst = sorted(samples, key=lambda x: -float(x["loop_lag_ms"]))[:SATURATED_NAMED]
+    named = ", ".join(
+        f"{x['worker']} loop lag {float(x['loop_lag_ms']):.1f} ms at "
+        f"{float(x['cpu_percent']):.0f} % CPU"
+        for x in worst
+    )
+    return f"; {len(samples)} of {judged} self-watch samples saturated: {named}"
 
 
 def _breaks_seen(breaks: tuple[dict[str, Any], ...]) -> str:
@@ -181,6 +206,7 @@ def check_infrastructure(
             "sent records ran while the client was saturated",
             "the load generator was the bottleneck; add workers or lower the load, then rerun",
             no_watch,
+            _saturated_seen(q.saturated_samples, q.selfwatch_samples - q.selfwatch_warmup_samples),
         ),
         _fraction(
             f"{prefix}clock_complete",

@@ -116,6 +116,9 @@ class QualityReport:
     # every break, declared and detected, with its evidence and the records it holds;
     # then the intervals set aside as a server restart (source "server_restart", 0 records)
     network_breaks: tuple[dict[str, object], ...] = ()
+    # the judged self-watch samples that saw the client saturated, in time order per
+    # worker: {worker, mono_ns, loop_lag_ms, cpu_percent} (what the verdict names)
+    saturated_samples: tuple[dict[str, object], ...] = ()
 
 
 def _bools(table: pa.Table, name: str) -> BoolArray:
@@ -145,7 +148,7 @@ def _span(d: pa.Table) -> tuple[IntArray, IntArray, BoolArray]:
 
 def _saturation(
     run: RunData, lag_ms: float, cpu_percent: float
-) -> tuple[BoolArray, tuple[str, ...]]:
+) -> tuple[BoolArray, tuple[str, ...], tuple[dict[str, object], ...]]:
     d = run.requests
     n = d.num_rows
     flagged = np.zeros(n, dtype=bool)
@@ -165,6 +168,15 @@ def _saturation(
         dtype=np.float64,
     )
     bad = (lag > lag_ms) | (cpu > cpu_percent)
+    seen = tuple(
+        {
+            "worker": str(sw_workers[i]),
+            "mono_ns": int(mono[i]),
+            "loop_lag_ms": float(lag[i]),
+            "cpu_percent": float(cpu[i]),
+        }
+        for i in np.flatnonzero(bad)
+    )
     without = []
     for w in sorted(set(workers[ok].tolist())):  # a set: np.unique sorts 1 M objects
         rows = np.flatnonzero(sw_workers == w)
@@ -182,7 +194,7 @@ def _saturation(
         lo_c = np.minimum(lo, m.size - 1)
         count = cum[hi + 1] - cum[lo_c]
         flagged[req] = covered & (count > 0)
-    return flagged, tuple(without)
+    return flagged, tuple(without), seen
 
 
 def _warmup_samples(run: RunData) -> int:
@@ -255,7 +267,7 @@ def apply_quality(
     )
     success = np.asarray(pc.is_null(d.column("ext.error_class")).to_numpy(), dtype=bool)
     success &= ~dropped
-    saturated, without = _saturation(run, lag_ms, cpu_percent)
+    saturated, without, saturated_samples = _saturation(run, lag_ms, cpu_percent)
     saturated &= ~dropped
     detected = detect_breaks(run)
     breaks = [*run.network_breaks, *detected.breaks]
@@ -314,5 +326,6 @@ def apply_quality(
             for b, n in zip(breaks, in_break, strict=True)
         )
         + tuple(x.to_json() for x in detected.set_aside),
+        saturated_samples=saturated_samples,
     )
     return table, report

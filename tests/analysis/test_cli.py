@@ -25,8 +25,10 @@ def _run(
     index: str | None = "complete",
     cell: str = "p16",
     golden_hash: str | None = None,
+    stall_at: int | None = None,
 ) -> str:
-    """N closed-loop requests at concurrency 1, 200 ms apart; TPOT = tpot_ms + i · 1 µs."""
+    """N closed-loop requests at concurrency 1, 200 ms apart; TPOT = tpot_ms + i · 1 µs;
+    self-watch sample `stall_at` saw the loop held 13.2 ms at 35 % CPU."""
     b = RunBuilder(root)
     tpot = [int((tpot_ms + i * 0.001) * MS) for i in range(N)]
     for i in range(N):
@@ -45,6 +47,8 @@ def _run(
     if golden_hash is not None:
         b.add(request("g0", t0=N * 200 * MS, cell="golden", token_hash=golden_hash))
     b.watch += [selfwatch("w00", k * 1_000 * MS, lag_ms=lag_ms) for k in range(N // 5 + 3)]
+    if stall_at is not None:
+        b.watch[stall_at] = selfwatch("w00", stall_at * 1_000 * MS, lag_ms=13.2, cpu=35.0)
     if index is not None:
         b.complete_index(index)
     return b.write()
@@ -120,6 +124,27 @@ def test_saturated_client_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert v["status"] == "fail" and v["class"] == "infrastructure"
     assert v["observed"] == 1.0 and v["threshold"] == 0.05
     assert "add workers or lower the load" in v["reason"]
+
+
+def test_the_saturation_verdict_names_what_the_self_watch_saw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One sample's stall flags the requests it covers; the verdict says which samples saw
+    the client saturated, and how (a flag is checked against its cause, not taken on
+    trust)."""
+    run_dir = _run(tmp_path, stall_at=3)
+    code, out, _ = _analyze(capsys, run_dir)
+    assert code == 3, out
+    v = _verdicts(run_dir)["client_saturation"]
+    assert v["status"] == "fail"
+    samples = N // 5 + 3
+    assert (
+        f"1 of {samples} self-watch samples saturated: w00 loop lag 13.2 ms at 35 % CPU"
+        in (v["reason"])
+    )
+    calm = _run(tmp_path / "calm")
+    assert _analyze(capsys, calm)[0] == 0
+    assert "self-watch samples saturated" not in _verdicts(calm)["client_saturation"]["reason"]
 
 
 def test_incomplete_index_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
