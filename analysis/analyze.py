@@ -82,6 +82,9 @@ def _run_info(ev: Evidence) -> dict[str, Any]:
     }
 
 
+SATURATED_KEPT = 20
+
+
 def _quality_info(ev: Evidence) -> dict[str, Any]:
     q = ev.quality
     return {
@@ -93,6 +96,14 @@ def _quality_info(ev: Evidence) -> dict[str, Any]:
         "selfwatch_samples": q.selfwatch_samples,
         "workers_without_selfwatch": list(q.workers_without_selfwatch),
         "thresholds": q.thresholds,
+        # the judged self-watch samples that saw the client saturated: how many, and the
+        # SATURATED_KEPT worst by loop lag (a saturated soak has thousands)
+        "saturated_samples": {
+            "count": len(q.saturated_samples),
+            "worst": sorted(q.saturated_samples, key=lambda x: -float(x["loop_lag_ms"]))[
+                :SATURATED_KEPT
+            ],
+        },
     }
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -118,7 +119,7 @@ class QualityReport:
     network_breaks: tuple[dict[str, object], ...] = ()
     # the judged self-watch samples that saw the client saturated, in time order per
     # worker: {worker, mono_ns, loop_lag_ms, cpu_percent} (what the verdict names)
-    saturated_samples: tuple[dict[str, object], ...] = ()
+    saturated_samples: tuple[dict[str, Any], ...] = ()
 
 
 def _bools(table: pa.Table, name: str) -> BoolArray:
@@ -148,7 +149,7 @@ def _span(d: pa.Table) -> tuple[IntArray, IntArray, BoolArray]:
 
 def _saturation(
     run: RunData, lag_ms: float, cpu_percent: float
-) -> tuple[BoolArray, tuple[str, ...], tuple[dict[str, object], ...]]:
+) -> tuple[BoolArray, tuple[str, ...], tuple[dict[str, Any], ...]]:
     d = run.requests
     n = d.num_rows
     flagged = np.zeros(n, dtype=bool)

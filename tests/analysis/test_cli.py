@@ -142,6 +142,10 @@ def test_the_saturation_verdict_names_what_the_self_watch_saw(
         f"1 of {samples} self-watch samples saturated: w00 loop lag 13.2 ms at 35 % CPU"
         in (v["reason"])
     )
+    kept = json.loads((Path(run_dir) / "verdict.json").read_text())["quality"]
+    assert kept["saturated_samples"]["count"] == 1
+    (one,) = kept["saturated_samples"]["worst"]
+    assert (one["worker"], one["loop_lag_ms"], one["cpu_percent"]) == ("w00", 13.2, 35.0)
     calm = _run(tmp_path / "calm")
     assert _analyze(capsys, calm)[0] == 0
     assert "self-watch samples saturated" not in _verdicts(calm)["client_saturation"]["reason"]
