@@ -217,14 +217,14 @@ static void *thread_main(void *arg) {
         free(cbuf);
         return NULL;
     }
-    /* Coalescing: each wake-up costs this thread a context switch (on this project's
-     * 2-core VM about as much as three reads), and a read need not come early, only
-     * before the same socket's next bytes: the kernel stamps its bytes' arrival. So
-     * while reads come densely, the thread sleeps out the rest of coalesce_ns after
-     * each wake-up and then reads every socket that became ready meanwhile in one pass.
-     * Dense: the sockets ready per wake-up over the time between wake-ups (each a
-     * moving average) would fill a coalesce_ns pass with DENSE_READS or more. Sparser, a sleep would often find one socket or none ready (measured: more
-     * CPU a read than reading each as it comes), and each read is made at once. */
+    /* Coalescing: each wake-up costs this thread a context switch, and a read need not
+     * come early, only before the same socket's next bytes: the kernel stamps their
+     * arrival. So while reads come densely, the thread sleeps out the rest of coalesce_ns
+     * after each wake-up and then reads every socket that became ready meanwhile in one
+     * pass. Dense: the sockets ready per wake-up over the time between wake-ups (each a
+     * moving average) would fill a coalesce_ns pass with DENSE_READS or more. Sparser, a
+     * sleep would often find one socket or none ready (measured: more CPU a read than
+     * reading each as it comes), and each read is made at once. */
     int64_t woke = 0;
     double per_wake = 1.0, gap = 1e9; /* sockets ready, ns between wake-ups */
     for (;;) {
