@@ -63,7 +63,13 @@ import numpy as np
 import psutil
 
 from calculet_load.measure import native
-from calculet_load.measure.engine import DEFAULT_IO_ENGINE, NATIVE_READS_ENV, reads_natively
+from calculet_load.measure.engine import (
+    DEFAULT_IO_ENGINE,
+    NATIVE_READS_ENV,
+    READ_COALESCE_ENV,
+    READ_COALESCE_US,
+    reads_natively,
+)
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, SINK_THREAD
 
 REPO = Path(__file__).resolve().parents[1]
@@ -713,7 +719,11 @@ def main() -> None:
     # what calculet-load's processes import from this tree, in this environment
     print(f"calculet-load's compiled modules (calculet_load.measure.native): {native.STATE}")
     reads = "the native reader" if reads_natively() else "its loop"
-    print(f"the thread engine reads plain sockets with {reads} ({NATIVE_READS_ENV}=0: its loop)")
+    line = f"the thread engine reads plain sockets with {reads} ({NATIVE_READS_ENV}=0: its loop)"
+    if reads_natively():  # the reader's coalescing window (opt-in), as the workers get it
+        window = f"{READ_COALESCE_US} µs" if READ_COALESCE_US else "off"
+        line += f"; the reader's coalescing window: {window} ({READ_COALESCE_ENV}, opt-in)"
+    print(line)
     print(HEADER, flush=True)
     points: list[Point] = []
     server = ExactServer(server_core, args.ttft_ms, args.itl_ms)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from calculet_load.measure.engine import reads_natively
+from calculet_load.measure.engine import READ_COALESCE_US, reads_natively
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,10 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     # process's reader thread did the reads (its CPU), and the header says so
     on = reads_natively()
     reads = "the native reader" if on else "its loop"
-    assert f"the thread engine reads plain sockets with {reads} " in done.stdout
+    assert f"the thread engine reads plain sockets with {reads} (" in done.stdout
+    if on:  # and its coalescing window, opt-in: off unless the environment sets it
+        window = f"{READ_COALESCE_US} µs" if READ_COALESCE_US else "off"
+        assert f"the reader's coalescing window: {window} (" in done.stdout
     for p in points:
         if on and p["client"] == "calculet:thread":
             assert p["threads"].get("reader", 0) > 0, p["threads"]

@@ -82,16 +82,18 @@ _REQUEST = tuple[str, list[tuple[str, str]], bytes]
 # (docs/measurement.md, "The native reader")
 NATIVE_READS_ENV = "CALCULET_NATIVE_READS"
 READ_NATIVELY = os.environ.get(NATIVE_READS_ENV, "1") != "0"
-# While reads come densely (a pass would find 3 sockets ready or more), the native reader
-# wakes at most once per this many µs and reads every ready socket in one pass: a read
-# need only come before its socket's next bytes, since the kernel stamps their arrival.
-# At 320 req/s its CPU a request fell 42 % (453 -> 263 µs); sparser, it reads each socket
-# as its bytes arrive. "0": always so (docs/measurement.md, "The native reader").
+# Opt-in: while reads come densely (a pass would find 3 sockets ready or more), the native
+# reader wakes at most once per this many µs and reads every ready socket in one pass. At
+# 320 req/s its CPU a request fell 42 % (453 -> 263 µs), but two token events of one
+# stream that arrive within the window share a read and its stamp: 0.4-2.4 % of the
+# records had one such pair at 320 req/s with a 500-µs window, none without. So "0", each
+# socket read as its bytes arrive, is the default (docs/measurement.md, "The native
+# reader").
 READ_COALESCE_ENV = "CALCULET_READ_COALESCE_US"
 
 
 def _coalesce_us() -> int:
-    text = os.environ.get(READ_COALESCE_ENV, "500")
+    text = os.environ.get(READ_COALESCE_ENV, "0")
     if not text.isdigit() or int(text) > 1_000_000:
         raise ValueError(f"{READ_COALESCE_ENV}={text!r}: expected whole µs, 0 to 1000000")
     return int(text)
