@@ -369,13 +369,16 @@ def test_request_id_joins_the_server_trace_and_t4_follows_the_flush(
     assert {"accepted", "admitted", "token_flushed"} <= events, events
     flushed = [r for r in rows if r["event"] == "token_flushed"]
     assert len(flushed) == n
-    # Same host, same CLOCK_MONOTONIC: the client reads the first token just after the
-    # server handed it to the socket (the server stamps right after its write returns,
-    # so a few microseconds either way are possible).
+    # Same host, same CLOCK_MONOTONIC: the first token's stamp is its bytes' arrival in
+    # the client's socket (the kernel's), which loopback delivers inside the server's
+    # write; the server stamps right after that write returns. So t4 is within
+    # microseconds of the server's stamp, or later by the client's own delay; it is
+    # earlier by more only when the server was descheduled between its write and its
+    # stamp (-5.2 ms once in CI's parallel phase, on 2 cores), not the client's error.
     t4 = out.client_ns.first_token
     assert t4 is not None
     lag_ms = (t4 - min(r["mono_ns"] for r in flushed)) / 1e6
-    assert -5.0 < lag_ms < 50.0, lag_ms
+    assert -20.0 < lag_ms < 50.0, lag_ms
     t5 = out.client_ns.last_token
     assert t5 is not None
     last_lag_ms = (t5 - max(r["mono_ns"] for r in flushed)) / 1e6
