@@ -100,9 +100,7 @@ def _quality_info(ev: Evidence) -> dict[str, Any]:
         # SATURATED_KEPT worst by loop lag (a saturated soak has thousands)
         "saturated_samples": {
             "count": len(q.saturated_samples),
-            "worst": sorted(q.saturated_samples, key=lambda x: -float(x["loop_lag_ms"]))[
-                :SATURATED_KEPT
-            ],
+            "worst": list(q.saturated_samples[:SATURATED_KEPT]),
         },
     }
 

@@ -360,28 +360,33 @@ def run_calculet(
 
 def failed_rules(run_dir: Path) -> list[str]:
     """The rules `calculet-load analyze` failed in `run_dir`'s verdict.json, each with what
-    it observed against its threshold (none when the file is missing or unreadable)."""
+    it observed against its threshold, and for client_saturation the worst self-watch
+    samples it kept (none when the file is missing or unreadable)."""
     try:
-        verdicts = json.loads((run_dir / "verdict.json").read_text())["verdicts"]
+        doc = json.loads((run_dir / "verdict.json").read_text())
+        verdicts = doc["verdicts"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
     return [
         f"{v.get('rule')} {_figure(v.get('observed'))} > {_figure(v.get('threshold'))}"
-        + _self_watch_saw(str(v.get("reason", "")))
+        + (_self_watch_saw(doc) if v.get("rule") == "client_saturation" else "")
         for v in verdicts
         if isinstance(v, dict) and v.get("status") == "fail"
     ]
 
 
-def _self_watch_saw(reason: str) -> str:
-    """What the self-watch saw, from a client_saturation verdict's reason (its samples
-    that were saturated: the worst loop lags and their CPU), or ''."""
-    mark = "self-watch samples saturated: "
-    if mark not in reason:
+def _self_watch_saw(doc: dict[str, Any]) -> str:
+    """The saturated self-watch samples verdict.json keeps (`quality.saturated_samples`):
+    how many, and the worst three's loop lag and CPU; '' when it has none."""
+    kept = (doc.get("quality") or {}).get("saturated_samples") or {}
+    worst = kept.get("worst") or []
+    if not worst:
         return ""
-    head, _, rest = reason.partition(mark)
-    count = head.rsplit("; ", 1)[-1]
-    return f" ({count}{mark}{rest.split(')', 1)[0]})"
+    named = ", ".join(
+        f"{x['worker']} {x['loop_lag_ms']:.1f} ms at {x['cpu_percent']:.0f} % CPU"
+        for x in worst[:3]
+    )
+    return f" ({kept.get('count', len(worst))} saturated self-watch samples: {named})"
 
 
 def _figure(x: Any) -> str:

@@ -132,10 +132,11 @@ SATURATED_NAMED = 3
 
 def _saturated_seen(samples: tuple[dict[str, Any], ...], judged: int) -> str:
     """What the self-watch saw, for the client_saturation verdict: how many of its judged
-    samples were saturated, and the worst (by loop lag) with their lag and CPU."""
+    samples were saturated, and the worst (they come longest loop lag first) with their
+    lag and CPU."""
     if not samples:
         return ""
-    worst = sorted(samples, key=lambda x: -float(x["loop_lag_ms"]))[:SATURATED_NAMED]
+    worst = samples[:SATURATED_NAMED]
     named = ", ".join(
         f"{x['worker']} loop lag {float(x['loop_lag_ms']):.1f} ms at "
         f"{float(x['cpu_percent']):.0f} % CPU"

@@ -117,8 +117,8 @@ class QualityReport:
     # every break, declared and detected, with its evidence and the records it holds;
     # then the intervals set aside as a server restart (source "server_restart", 0 records)
     network_breaks: tuple[dict[str, object], ...] = ()
-    # the judged self-watch samples that saw the client saturated, in time order per
-    # worker: {worker, mono_ns, loop_lag_ms, cpu_percent} (what the verdict names)
+    # the judged self-watch samples that saw the client saturated, the longest loop lag
+    # first: {worker, mono_ns, loop_lag_ms, cpu_percent} (what the verdict names)
     saturated_samples: tuple[dict[str, Any], ...] = ()
 
 
@@ -169,6 +169,7 @@ def _saturation(
         dtype=np.float64,
     )
     bad = (lag > lag_ms) | (cpu > cpu_percent)
+    worst_first = np.flatnonzero(bad)[np.argsort(-lag[bad], kind="stable")]
     seen = tuple(
         {
             "worker": str(sw_workers[i]),
@@ -176,7 +177,7 @@ def _saturation(
             "loop_lag_ms": float(lag[i]),
             "cpu_percent": float(cpu[i]),
         }
-        for i in np.flatnonzero(bad)
+        for i in worst_first
     )
     without = []
     for w in sorted(set(workers[ok].tolist())):  # a set: np.unique sorts 1 M objects
