@@ -350,12 +350,14 @@ def run_calculet(
     failed = failed_rules(run_dir)
     if failed:  # which of analyze's rules, and by how much (its verdict.json)
         p.note += " | analyze failed: " + "; ".join(failed)[:300]
+    elif saw := self_watch_note(run_dir):  # a pass the self-watch's samples did not decide
+        p.note += " | " + saw[:300]
     stderr = err.decode(errors="replace")
     kept_up = [x for x in stderr.splitlines() if "did not keep up" in x]
     if kept_up:  # the self-check's own line: which cells, which figure, how far
         p.note += " | self-check: " + kept_up[-1].split("in ", 1)[-1][:300]
-    if code not in (0, 3):
-        p.note += f" | locust stderr: {stderr[-300:]}"
+    if code not in (0, 3) or not p.requests:  # an exit 0 that sent nothing says why
+        p.note += f" | locust stderr: {stderr[-600:]}"
 
 
 def failed_rules(run_dir: Path) -> list[str]:
@@ -373,6 +375,25 @@ def failed_rules(run_dir: Path) -> list[str]:
         for v in verdicts
         if isinstance(v, dict) and v.get("status") == "fail"
     ]
+
+
+def self_watch_note(run_dir: Path) -> str:
+    """What the self-watch saw in a point analyze passed, from its verdict.json: the
+    saturated samples, and the kernel-stamped records it judged by their own bounds
+    instead of their loop lag (analysis.tables.quality); '' when none (or no file)."""
+    try:
+        doc = json.loads((run_dir / "verdict.json").read_text())
+        q = doc.get("quality") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    parts = []
+    if saw := _self_watch_saw(doc):
+        parts.append("self-watch" + saw)
+    if spared := q.get("lag_judged_by_own_bounds"):
+        parts.append(f"{spared} kernel-stamped records under loop lag judged by their own bounds")
+    if own := q.get("saturated_by_own_bounds"):
+        parts.append(f"{own} records flagged by their own bounds")
+    return "; ".join(parts)
 
 
 def _self_watch_saw(doc: dict[str, Any]) -> str:

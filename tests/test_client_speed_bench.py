@@ -160,3 +160,29 @@ def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
     (tmp_path / "verdict.json").write_text("{not json")
     assert cs.failed_rules(tmp_path) == []
     assert cs.failed_rules(tmp_path / "missing") == []
+
+
+def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
+    """A pass with loop-lag samples says the kernel-stamped records under them were
+    judged by their own bounds (it would have been exit 3 before stop 37)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import client_speed as cs
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    seen = {"worker": "w00", "mono_ns": 7, "loop_lag_ms": 8.1, "cpu_percent": 41.0}
+    quality = {
+        "saturated_samples": {"count": 1, "worst": [seen]},
+        "lag_judged_by_own_bounds": 412,
+        "saturated_by_own_bounds": 0,
+    }
+    (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
+    assert cs.self_watch_note(tmp_path) == (
+        "self-watch (1 saturated self-watch samples: w00 8.1 ms at 41 % CPU); 412 "
+        "kernel-stamped records under loop lag judged by their own bounds"
+    )
+    quality = {"saturated_samples": {"count": 0, "worst": []}, "lag_judged_by_own_bounds": 0}
+    (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
+    assert cs.self_watch_note(tmp_path) == ""
+    assert cs.self_watch_note(tmp_path / "missing") == ""

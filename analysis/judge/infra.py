@@ -130,19 +130,33 @@ def _fraction(
 SATURATED_NAMED = 3
 
 
-def _saturated_seen(samples: tuple[dict[str, Any], ...], judged: int) -> str:
+def _saturated_seen(
+    samples: tuple[dict[str, Any], ...], judged: int, spared: int = 0, own: int = 0
+) -> str:
     """What the self-watch saw, for the client_saturation verdict: how many of its judged
     samples were saturated, and the worst (they come longest loop lag first) with their
-    lag and CPU."""
-    if not samples:
-        return ""
-    worst = samples[:SATURATED_NAMED]
-    named = ", ".join(
-        f"{x['worker']} loop lag {float(x['loop_lag_ms']):.1f} ms at "
-        f"{float(x['cpu_percent']):.0f} % CPU"
-        for x in worst
-    )
-    return f"; {len(samples)} of {judged} self-watch samples saturated: {named}"
+    lag and CPU; then the records judged by their own bounds (analysis.tables.quality:
+    an open-loop kernel-stamped record under a loop-lag-only sample, a record whose own bounds
+    passed the limit)."""
+    text = ""
+    if samples:
+        worst = samples[:SATURATED_NAMED]
+        named = ", ".join(
+            f"{x['worker']} loop lag {float(x['loop_lag_ms']):.1f} ms at "
+            f"{float(x['cpu_percent']):.0f} % CPU"
+            for x in worst
+        )
+        text = f"; {len(samples)} of {judged} self-watch samples saturated: {named}"
+    if spared:
+        text += (
+            f"; {spared} open-loop records under a sample that saw only loop lag had the "
+            "kernel's stamps, which no loop delays: judged by their own bounds"
+        )
+    if own:
+        text += (
+            f"; {own} records flagged by their own bounds (first-token late bound or start to sent)"
+        )
+    return text
 
 
 def _breaks_seen(breaks: tuple[dict[str, Any], ...]) -> str:
@@ -207,7 +221,12 @@ def check_infrastructure(
             "sent records ran while the client was saturated",
             "the load generator was the bottleneck; add workers or lower the load, then rerun",
             no_watch,
-            _saturated_seen(q.saturated_samples, q.selfwatch_samples - q.selfwatch_warmup_samples),
+            _saturated_seen(
+                q.saturated_samples,
+                q.selfwatch_samples - q.selfwatch_warmup_samples,
+                q.lag_judged_by_own_bounds,
+                q.saturated_by_own_bounds,
+            ),
         ),
         _fraction(
             f"{prefix}clock_complete",

@@ -11,8 +11,10 @@ for one of these reasons, each counted:
                       or detected (RTT probe rounds whose connects were lost, bursts
                       of connect timeouts / unreachable: analysis.tables.netbreaks; an
                       interval the server's restart explains is not a break)
-    client_saturated  the client's self-watch saw loop lag > SATURATED_LAG_MS or CPU >
-                      SATURATED_CPU_PERCENT in a sample covering the request
+    client_saturated  the client's self-watch saw CPU > SATURATED_CPU_PERCENT in a
+                      sample covering the request; or loop lag > SATURATED_LAG_MS in
+                      such a sample, unless the request is judged by its own bounds
+                      (below), and then those passed SATURATED_LAG_MS
     interrupted_attempt  a record of a cell attempt that plan.json lists under "excluded"
                       ({cell, worker, reason}): the pipeline was cut in that cell and
                       ran it again on resume, so the cut attempt does not count
@@ -29,12 +31,33 @@ have several reasons; `QualityReport.by_reason` counts each.
 Self-watch sample k of a worker covers (mono_{k−1}, mono_k] of that worker's monotonic
 clock (the first covers one median interval before it); a request of that worker is
 flagged when any sample covering part of [t0, its last stamp] is saturated. Requests of
-a worker without samples are not flagged: that is reported as no data, not as clean.
+a worker without samples are not flagged by samples: that is reported as no data, not
+as clean.
 
-Samples marked `warmup` (the worker's start-up, before its prompts, tokenization and
-connections were ready; calculet_load.measure.selfwatch) are left out first: the worker sends
-nothing until its warm-up ends, and it closes the warm-up with a sample, so the judged
-samples cover every request and no start-up work.
+Loop lag (how late the self-watch's timer fired on the worker's gevent loop) bounds how
+late a stamp taken on that loop can be, and how late the loop sends a request. Neither
+holds for an open-loop request whose stamps are the kernel's receive times of its bytes
+(SO_TIMESTAMPNS: both I/O engines on plain sockets, the thread engine over TLS too): its
+stamps wait for no loop, and its send is timed against its schedule. Such a request
+(ext.stamp_source "kernel" and ext.send_lag_ms recorded) is judged by its own bounds
+instead, which the client records for it (calculet_load.locust.accuracy checks the same
+figures per cell at the end of a Locust run):
+
+    ext.send_lag_ms           its send against its schedule (not of a stale retry: its
+                              first send kept the schedule)
+    ext.stamp_late_bound_ms   the most its first-token stamp can be late (its first token
+                              shared a read with later bytes)
+    start to sent             t1 − t0, less a new connection's ext.connect_ms: how long
+                              the client held the request between its start stamp and
+                              its write, which every duration from t0 carries (not of a
+                              stale retry: its start was the first attempt's)
+
+A closed-loop request is not: how soon its user sends the next one is the loop's, and
+no figure of the request says it, so loop lag still judges it (a client that could not
+keep its users' requests going is the bottleneck of the cell's throughput, however
+exact each stamp). A request judged by its own bounds under a sample that saw only loop
+lag is counted (`QualityReport.lag_judged_by_own_bounds`), so the verdict can say why
+it was not flagged.
 """
 
 from __future__ import annotations
@@ -120,6 +143,11 @@ class QualityReport:
     # the judged self-watch samples that saw the client saturated, the longest loop lag
     # first: {worker, mono_ns, loop_lag_ms, cpu_percent} (what the verdict names)
     saturated_samples: tuple[dict[str, Any], ...] = ()
+    # records judged by their own bounds (open loop, the kernel's stamps) that a
+    # loop-lag-only sample covered; of all records, those flagged by their own bounds
+    # (and by no CPU sample)
+    lag_judged_by_own_bounds: int = 0
+    saturated_by_own_bounds: int = 0
 
 
 def _bools(table: pa.Table, name: str) -> BoolArray:
@@ -147,12 +175,51 @@ def _span(d: pa.Table) -> tuple[IntArray, IntArray, BoolArray]:
     return t0, end, ok
 
 
+def _floats(table: pa.Table, name: str) -> tuple[np.ndarray, BoolArray]:
+    col = table.column(name)
+    ok = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
+    v = np.asarray(pc.fill_null(col, 0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+    return v, ok
+
+
+def _own_bounds(d: pa.Table, limit_ms: float) -> tuple[BoolArray, BoolArray]:
+    """(which requests are judged by their own bounds: the kernel's stamps and an open
+    loop's schedule, which of those passed `limit_ms`: the send lag, start to sent, or
+    the first token's late bound)."""
+    kernel = np.asarray(
+        pc.fill_null(pc.equal(d.column("ext.stamp_source"), "kernel"), False).to_numpy(
+            zero_copy_only=False
+        ),
+        dtype=bool,
+    )
+    lag, scheduled = _floats(d, "ext.send_lag_ms")
+    retry = _bools(d, "ext.stale_retry")
+    late, late_ok = _floats(d, "ext.stamp_late_bound_ms")
+    # a stale retry's start and send are its retry's; its first send kept the schedule
+    over = (late_ok & (late > limit_ms)) | (scheduled & ~retry & (lag > limit_ms))
+    t0, t0_ok = _ints(d, "client_ns.request_start")
+    t1, t1_ok = _ints(d, "client_ns.headers_sent")
+    connect, connect_ok = _floats(d, "ext.connect_ms")
+    reused = _bools(d, "ext.connection_reused")
+    held_ms = (t1 - t0) / 1e6 - np.where(reused, 0.0, connect)
+    # as the Locust self-check: a new connection whose connect was not recorded (records
+    # from before ext.connect_ms) and a stale retry are not judged
+    judged = t0_ok & t1_ok & (reused | connect_ok) & ~retry
+    over |= judged & (held_ms > limit_ms)
+    own = kernel & scheduled
+    return own, own & over
+
+
 def _saturation(
     run: RunData, lag_ms: float, cpu_percent: float
-) -> tuple[BoolArray, tuple[str, ...], tuple[dict[str, Any], ...]]:
+) -> tuple[BoolArray, tuple[str, ...], tuple[dict[str, Any], ...], int, int]:
+    """(flagged records, workers without samples, the saturated samples worst first,
+    records judged by their own bounds that a loop-lag-only sample covered, records
+    flagged by their own bounds)."""
     d = run.requests
     n = d.num_rows
-    flagged = np.zeros(n, dtype=bool)
+    by_cpu = np.zeros(n, dtype=bool)
+    by_lag = np.zeros(n, dtype=bool)
     t0, end, ok = _span(d)
     workers = np.asarray(d.column("ext.worker").fill_null("").to_numpy(zero_copy_only=False))
     sw = run.selfwatch
@@ -168,7 +235,8 @@ def _saturation(
         pc.fill_null(sw.column("cpu_percent"), 0.0).to_numpy(zero_copy_only=False),
         dtype=np.float64,
     )
-    bad = (lag > lag_ms) | (cpu > cpu_percent)
+    lagging, busy = lag > lag_ms, cpu > cpu_percent
+    bad = lagging | busy
     worst_first = np.flatnonzero(bad)[np.argsort(-lag[bad], kind="stable")]
     seen = tuple(
         {
@@ -187,16 +255,19 @@ def _saturation(
             without.append(str(w))
             continue
         order = rows[np.argsort(mono[rows], kind="stable")]
-        m, b = mono[order], bad[order]
+        m = mono[order]
         first = m[0] - (int(np.median(np.diff(m))) if m.size > 1 else 1_000_000_000)
-        cum = np.concatenate(([0], np.cumsum(b)))
         lo = np.searchsorted(m, t0[req], side="left")
         hi = np.minimum(np.searchsorted(m, end[req], side="left"), m.size - 1)
         covered = (lo < m.size) & (end[req] > first)
         lo_c = np.minimum(lo, m.size - 1)
-        count = cum[hi + 1] - cum[lo_c]
-        flagged[req] = covered & (count > 0)
-    return flagged, tuple(without), seen
+        for flags, b in ((by_cpu, busy[order]), (by_lag, lagging[order])):
+            cum = np.concatenate(([0], np.cumsum(b)))
+            flags[req] = covered & (cum[hi + 1] - cum[lo_c] > 0)
+    judged, own = _own_bounds(d, lag_ms)
+    flagged = by_cpu | (by_lag & ~judged) | own
+    spared = int(np.count_nonzero(by_lag & judged & ~by_cpu))
+    return flagged, tuple(without), seen, spared, int(np.count_nonzero(own & ~by_cpu))
 
 
 def _warmup_samples(run: RunData) -> int:
@@ -269,7 +340,7 @@ def apply_quality(
     )
     success = np.asarray(pc.is_null(d.column("ext.error_class")).to_numpy(), dtype=bool)
     success &= ~dropped
-    saturated, without, saturated_samples = _saturation(run, lag_ms, cpu_percent)
+    saturated, without, saturated_samples, spared, own = _saturation(run, lag_ms, cpu_percent)
     saturated &= ~dropped
     detected = detect_breaks(run)
     breaks = [*run.network_breaks, *detected.breaks]
@@ -329,5 +400,7 @@ def apply_quality(
         )
         + tuple(x.to_json() for x in detected.set_aside),
         saturated_samples=saturated_samples,
+        lag_judged_by_own_bounds=spared,
+        saturated_by_own_bounds=own,
     )
     return table, report

@@ -509,9 +509,11 @@ def excluded_section(rv: RunView) -> Section:
     s.intro.append(
         "Outliers are never removed for being outliers: only the pre-registered reasons below "
         "take a record out of the measured set (warmup, dropped arrival, cut at run stop, "
-        "incomplete client clock, declared network break, client saturated: loop lag > "
-        f"{thr.get('saturated_lag_ms', '?')} ms or CPU > {thr.get('saturated_cpu_percent', '?')}% "
-        "of a core)."
+        "incomplete client clock, declared network break, client saturated: CPU > "
+        f"{thr.get('saturated_cpu_percent', '?')}% of a core, or loop lag > "
+        f"{thr.get('saturated_lag_ms', '?')} ms; an open-loop request stamped by the kernel "
+        "is judged instead by its own bounds over that: send lag, first-token late bound, "
+        "start to sent)."
     )
     if q.get("workers_without_selfwatch"):
         s.notes.append(

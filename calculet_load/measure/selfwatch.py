@@ -1,9 +1,11 @@
 """Self-watch: is the client itself the bottleneck?
 
 A greenlet wakes every `interval_s` and measures how late it woke (event-loop lag: time
-every other greenlet made it wait, which is also how late a token's timestamp can be),
-and samples this process's CPU and RSS with psutil. Samples go to the sink beside the
-records, so the analysis can exclude windows where the client was saturated.
+every other greenlet made it wait, which is also how late a timestamp taken on the loop
+can be; a kernel receive time waits for no loop, and the analysis judges an open-loop
+request stamped so by its own bounds: analysis.tables.quality), and samples this
+process's CPU and RSS with psutil. Samples go to the sink beside the records, so the
+analysis can exclude windows where the client was saturated.
 
 Start-up is not load. A watch started with `warmup=True` marks its samples `warmup`
 until `end_warmup()`, which the owner calls once its prompts, tokenization and

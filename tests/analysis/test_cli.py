@@ -26,9 +26,18 @@ def _run(
     cell: str = "p16",
     golden_hash: str | None = None,
     stall_at: int | None = None,
+    kernel: bool = False,
 ) -> str:
     """N closed-loop requests at concurrency 1, 200 ms apart; TPOT = tpot_ms + i · 1 µs;
-    self-watch sample `stall_at` saw the loop held 13.2 ms at 35 % CPU."""
+    self-watch sample `stall_at` saw the loop held 13.2 ms at 35 % CPU; `kernel`: open
+    loop instead, the records' stamps the kernel's receive times, within their own
+    bounds."""
+    stamps = {
+        "stamp_source": "kernel",
+        "stamp_late_bound_ms": 0.0,
+        "connection_reused": True,
+        "send_lag_ms": 0.3,
+    }
     b = RunBuilder(root)
     tpot = [int((tpot_ms + i * 0.001) * MS) for i in range(N)]
     for i in range(N):
@@ -39,8 +48,9 @@ def _run(
                 t0=i * 200 * MS,
                 tpot=tpot[i],
                 cell=cell,
+                arrival="poisson" if kernel else "closed",
                 error="nonfinite_number" if broken else None,
-                ext={"nonfinite_field": broken},
+                ext={"nonfinite_field": broken, **(stamps if kernel else {})},
             ),
             tpot=tpot[i],
         )
@@ -149,6 +159,26 @@ def test_the_saturation_verdict_names_what_the_self_watch_saw(
     calm = _run(tmp_path / "calm")
     assert _analyze(capsys, calm)[0] == 0
     assert "self-watch samples saturated" not in _verdicts(calm)["client_saturation"]["reason"]
+
+
+def test_a_loop_stall_does_not_flag_open_loop_records_with_the_kernels_stamps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same stalled sample over open-loop records whose stamps are the kernel's: no
+    loop delays those stamps, and each send is timed against its schedule, so they are
+    judged by their own bounds, and the verdict says so."""
+    run_dir = _run(tmp_path, stall_at=3, kernel=True)
+    code, out, _ = _analyze(capsys, run_dir)
+    assert code == 0, out
+    v = _verdicts(run_dir)["client_saturation"]
+    assert v["status"] == "pass" and v["observed"] == 0
+    assert "1 of" in v["reason"] and "w00 loop lag 13.2 ms at 35 % CPU" in v["reason"]
+    assert (
+        "6 open-loop records under a sample that saw only loop lag had the kernel's stamps"
+        in (v["reason"])
+    )
+    kept = json.loads((Path(run_dir) / "verdict.json").read_text())["quality"]
+    assert (kept["lag_judged_by_own_bounds"], kept["saturated_by_own_bounds"]) == (6, 0)
 
 
 def test_incomplete_index_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

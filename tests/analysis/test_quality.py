@@ -11,6 +11,7 @@ import pytest
 from analysis.errors import ArtifactError
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
+from calculet_load.schema.records import RequestRecord
 from calculet_load.schema.selfwatch import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
 from tests.analysis.runs import MS, WALL0, RunBuilder, request, selfwatch
 
@@ -111,6 +112,78 @@ def test_cpu_saturation_uses_the_shared_limit(tmp_path: Path) -> None:
     table, q = apply_quality(load_run(b.write()))
     assert table.column("quality.client_saturated").to_pylist() == [True, False, False]
     assert q.saturated == 1
+
+
+def _kernel(
+    rid: str, t0: int, held_ms: float = 0.1, arrival: str = "poisson", **ext: object
+) -> RequestRecord:
+    """An open-loop request (sent 0.2 ms after its schedule unless told) whose stamps are
+    the kernel's receive times, on a kept-alive connection unless told, written
+    `held_ms` after its start stamp."""
+    own = {"stamp_source": "kernel", "stamp_late_bound_ms": 0.0, "connection_reused": True}
+    if arrival != "closed":
+        own["send_lag_ms"] = 0.2
+    rec = request(rid, t0=t0, arrival=arrival, ext={**own, **ext})
+    sent = t0 + int(held_ms * MS)
+    return dataclasses.replace(rec, client_ns=dataclasses.replace(rec.client_ns, headers_sent=sent))
+
+
+def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_path: Path) -> None:
+    """Loop lag bounds stamps taken on the loop and the loop's sends, not the kernel's
+    stamps nor a send timed against its schedule: an open-loop kernel-stamped record
+    under a sample that saw only loop lag is judged by its own bounds (send lag, its
+    first token's late bound, start to sent); a closed-loop one is not (its user's next
+    request waits for the loop); a CPU-saturated sample flags every record it covers."""
+    b = RunBuilder(tmp_path)
+    b.watch += [
+        selfwatch("w00", 1 * S, lag_ms=8.0, cpu=30.0),
+        selfwatch("w00", 2 * S, cpu=SATURATED_CPU_PERCENT + 5),
+        selfwatch("w00", 3 * S),
+        selfwatch("w00", 4 * S),
+    ]
+    b.add(request("read", t0=500 * MS, ext={"send_lag_ms": 0.2}))  # read stamps: flagged
+    b.add(_kernel("kernel", t0=600 * MS))  # the kernel's stamps, open loop: not flagged
+    b.add(_kernel("closed", t0=650 * MS, arrival="closed"))  # closed loop: flagged
+    b.add(_kernel("cpu", t0=1_500 * MS))  # under the CPU sample: flagged
+    b.add(_kernel("late", t0=2_100 * MS, stamp_late_bound_ms=SATURATED_LAG_MS + 1))
+    b.add(_kernel("at", t0=2_200 * MS, stamp_late_bound_ms=SATURATED_LAG_MS))  # the limit
+    b.add(_kernel("held", t0=2_300 * MS, held_ms=SATURATED_LAG_MS + 1))
+    # a new connection: its connect (5.5 ms) is the network's wait, not the client's
+    b.add(_kernel("new", t0=2_400 * MS, held_ms=6.0, connection_reused=False, connect_ms=5.5))
+    # ... unless it was not recorded (records from before ext.connect_ms): not judged
+    b.add(_kernel("old", t0=2_500 * MS, held_ms=60.0, connection_reused=False))
+    # a stale retry's start and send were its retry's: neither is judged
+    b.add(_kernel("retry", t0=2_600 * MS, held_ms=60.0, send_lag_ms=60.0, stale_retry=True))
+    b.add(_kernel("sent late", t0=2_700 * MS, send_lag_ms=SATURATED_LAG_MS + 1))
+    # under the lag sample and past its own bound: judged by the bound, flagged
+    b.add(_kernel("lagged", t0=700 * MS, held_ms=SATURATED_LAG_MS + 1))
+    b.add(_kernel("clean", t0=3_500 * MS))
+    table, q = apply_quality(load_run(b.write()))
+    flagged = dict(
+        zip(
+            table.column("request_id").to_pylist(),
+            table.column("quality.client_saturated").to_pylist(),
+            strict=True,
+        )
+    )
+    assert flagged == {
+        "read": True,
+        "kernel": False,
+        "closed": True,
+        "cpu": True,
+        "late": True,
+        "at": False,
+        "held": True,
+        "new": False,
+        "old": False,
+        "retry": False,
+        "sent late": True,
+        "lagged": True,
+        "clean": False,
+    }
+    assert q.saturated == 7
+    assert q.lag_judged_by_own_bounds == 2  # "kernel", "lagged"
+    assert q.saturated_by_own_bounds == 4  # "late", "held", "sent late", "lagged"
 
 
 def test_a_record_with_several_reasons_is_counted_under_each(tmp_path: Path) -> None:
