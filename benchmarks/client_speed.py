@@ -143,6 +143,9 @@ class Point:
     threads: dict[str, float] = field(default_factory=dict)
     verdict: str = ""  # calculet: its own verdict (exit code and what it named)
     note: str = ""
+    # calculet-load's closed loop: its records' `ext.turnaround_ms`, the client's own
+    # time around each request (a user's next request waits for it): p50, p99, mean
+    turnaround: tuple[float, float, float] | None = None
     load: float = float("nan")  # the 1-minute load average when the point started
 
     @property
@@ -444,6 +447,11 @@ def read_calculet(run_dir: Path, p: Point) -> dict[str, Any]:
         same = rid[1:] == rid[:-1]
         keep = same & np.isin(rid[1:], list(good))
         itl = list(np.diff(arr)[keep] / 1e6)
+    if p.mode == "closed" and "ext.turnaround_ms" in req.column_names:
+        held = [v for v in req.column("ext.turnaround_ms").to_pylist() if v is not None]
+        if held:
+            p50, p99 = quantiles(held)
+            p.turnaround = (p50, p99, float(np.mean(held)))
     return {"ttft": ttft, "tpot": tpot, "itl": itl}
 
 
@@ -580,7 +588,11 @@ def thread_line(p: Point) -> str:
     """calculet-load's CPU per request by thread, engine first."""
     order = ("engine", "reader", "main", "sink", "other")
     parts = [f"{k} {p.threads[k]:,.0f}" for k in order if k in p.threads]
-    return "threads (µs/req): " + ", ".join(parts)
+    line = "threads (µs/req): " + ", ".join(parts)
+    if p.turnaround is not None:
+        p50, p99, mean = p.turnaround
+        line += f"; turnaround (ms): p50 {p50:.2f}, p99 {p99:.2f}, mean {mean:.2f}"
+    return line
 
 
 HEADER = (
@@ -601,7 +613,11 @@ MEANING = """\
   thread over the same window (engine: the I/O engine's loop; reader: its native thread
   that reads and stamps plain sockets' bytes; main: the greenlets, i.e.
   Locust's users, the dispatcher, the records and live statistics; sink: the Parquet
-  writer). A busy machine makes every client look worse: compare clients within one run."""
+  writer). turnaround (closed loop): the client's own time around each request, from
+  the user's send to the start stamp and from the response's last bytes to the outcome
+  back in the user's hands (ext.turnaround_ms); the user's next request waits for it, so
+  the server has fewer streams than asked for by its share of each cycle. A busy
+  machine makes every client look worse: compare clients within one run."""
 
 
 def engine_client(engine: str) -> str:

@@ -88,6 +88,12 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     # engine's loop, the greenlets' main thread and the sink's writer, adding up to the
     # process's figure (less threads that started or ended inside the window)
     assert "threads (µs/req): engine " in done.stdout
+    # the closed loop's turnaround (ext.turnaround_ms): p50, p99, mean, in order
+    assert "; turnaround (ms): p50 " in done.stdout
+    for p in ours:
+        if p["mode"] == "closed":
+            p50, p99, mean = p["turnaround"]
+            assert 0 < p50 <= p99 and 0 < mean <= p99, p
     for p in ours:
         t = p["threads"]
         assert set(t) >= (

@@ -9,7 +9,8 @@ quality partition (`analysis.tables.quality.Partition`) is summarized apart: `me
 rules and comparisons read; `throttled` and `warmup` are reported beside it.
 
 Latency metrics take the successes of the partition only (failed requests never enter
-latency statistics); `send_lag_ms` takes every sent request. See METRICS.
+latency statistics); `send_lag_ms` and `turnaround_ms` take every sent request. See
+METRICS.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("ttft_from_intended_ms", "ext.ttft_from_intended_ms", "t4 − intended start (open loop)"),
     Metric("e2e_from_intended_ms", "ext.e2e_from_intended_ms", "t6 − intended start (open loop)"),
     Metric("send_lag_ms", "ext.send_lag_ms", "t0 − intended start, every sent request", False),
+    Metric(
+        "turnaround_ms",
+        "ext.turnaround_ms",
+        "the client's own time around a request: its send to t0, t6 to the outcome back",
+        False,
+    ),
     Metric("server_queue_ms", "server_ms.queue", "first job_prepared − accepted (server trace)"),
     # spec §10.1: the queue's two waits apart (analysis.tables.join)
     Metric("slot_wait_ms", "join.slot_wait_ms", "slot_assigned − accepted (server trace)"),

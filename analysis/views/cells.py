@@ -64,6 +64,7 @@ METRIC_TITLES = {
     "ttft_from_intended_ms": "TTFT from the intended start (ms, open loop)",
     "e2e_from_intended_ms": "E2E from the intended start (ms, open loop)",
     "send_lag_ms": "send lag (ms, open loop)",
+    "turnaround_ms": "client turnaround (ms: its send to t0, t6 to the outcome back)",
 }
 _COLUMNS = {
     "ttft_ms": "durations_ms.ttft",

@@ -162,6 +162,11 @@ class Ext:
     # kernel stamps: the most its first token's stamp can be late (token events that came
     # in one read share the stamp of its last bytes): the self-check (null: read stamps)
     stamp_late_bound_ms: float | None = None
+    # the client's own time around the request: from the driver's send (or the schedule's
+    # instant, when the send was handed over before it) to t0, and from the response's end
+    # t6 to the outcome back in the driver's hands; a closed-loop user's next request
+    # waits for it (null: no response end)
+    turnaround_ms: float | None = None
 
 
 # Columns added to `calculet-perf-request/v1` after its first release, each optional: a
@@ -180,6 +185,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.read_wait_ms",
     "ext.stamp_late_bound_ms",
     "ext.connect_ms",
+    "ext.turnaround_ms",
 )
 
 

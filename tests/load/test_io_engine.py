@@ -23,10 +23,11 @@ import pytest
 from calculet_load.locust.accuracy import Accuracy
 from calculet_load.measure import engine
 from calculet_load.measure.prompts import Prompt
-from calculet_load.measure.session import RequestSpec, RunContext, Session
+from calculet_load.measure.response import Outcome
+from calculet_load.measure.session import RequestSpec, RunContext, Session, turnaround
 from calculet_load.measure.sink import PartSink
 from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
-from calculet_load.schema.records import RequestRecord
+from calculet_load.schema.records import ClientNs, RequestRecord
 from tests.load.hostile import Sleep, serve
 from tests.load.locustproc import LocustRun
 from tests.load.test_hostile import CHUNKED_HEAD, L1, chunk
@@ -181,6 +182,54 @@ def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
     assert found, problem
     p99 = float(found[1])
     assert min(gaps[1:]) * 0.98 <= p99 <= max(gaps[1:]) * 1.02, (p99, gaps)
+
+
+def test_the_clients_own_time_around_a_request_is_its_turnaround(
+    fast_sim: SimProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ext.turnaround_ms`: from the driver's send to t0, and from t6 to the outcome back.
+    The engine's loop held 30 ms before a request's start stamp is in it (a closed-loop
+    user's next request waited for it), and not in the request's durations."""
+    real = engine._attempt
+    calls = []
+
+    async def held_up(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(0.03)  # blocks the engine's loop before the start stamp
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(engine, "_attempt", held_up)
+    session = Session(RunContext("turn", "w00"), fast_sim.url, "llama", io_engine="thread")
+    records: list[RequestRecord] = []
+    session.hooks.append(lambda record, _out: records.append(record))
+    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
+    try:
+        for _ in range(3):
+            gevent.spawn(session.send, spec).get(timeout=30)
+    finally:
+        session.close()
+    assert [r.ext.error_class for r in records] == [None] * 3
+    held = [r.ext.turnaround_ms for r in records]
+    assert all(t is not None and t > 0 for t in held), held
+    assert held[2] >= 30.0, held
+    assert held[1] < 30.0, held  # the same request not held: its hand-overs only
+    start = records[2].client_ns.request_start
+    assert start is not None and records[2].durations_ms.ttft is not None
+    assert records[2].durations_ms.ttft < 30.0 + records[1].durations_ms.ttft
+
+
+def test_a_scheduled_send_is_timed_from_its_instant_and_a_failure_has_no_turnaround() -> None:
+    """An open loop hands a request over before it is due: its turnaround runs from the
+    schedule's instant, not from the hand-over; without a response end there is none."""
+    out = Outcome("r")
+    out.client_ns = ClientNs(1_000, 1_100, 1_200, 1_300, 1_300, 1_400, 1_500)
+    due = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, intended_start_ns=900)
+    assert turnaround(due, out, 100, 1_700) == (1_000 - 900) + (1_700 - 1_500)
+    closed = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4)
+    assert turnaround(closed, out, 100, 1_700) == (1_000 - 100) + (1_700 - 1_500)
+    out.client_ns = ClientNs(1_000, 1_100, None, None, None, None, None)
+    assert turnaround(closed, out, 100, 1_700) is None
 
 
 def _one_new_connection(fast_sim: SimProcess) -> RequestRecord:
