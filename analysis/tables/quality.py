@@ -204,10 +204,10 @@ def _own_bounds(d: pa.Table, limit_ms: float) -> tuple[BoolArray, BoolArray]:
     held_ms = (t1 - t0) / 1e6 - np.where(reused, 0.0, connect)
     # as the Locust self-check: a new connection whose connect was not recorded (records
     # from before ext.connect_ms) and a stale retry are not judged
-    judged = t0_ok & t1_ok & (reused | connect_ok) & ~retry
-    over |= judged & (held_ms > limit_ms)
-    own = kernel & scheduled
-    return own, own & over
+    timed = t0_ok & t1_ok & (reused | connect_ok) & ~retry
+    over |= timed & (held_ms > limit_ms)
+    judged = kernel & scheduled
+    return judged, judged & over
 
 
 def _saturation(
