@@ -144,6 +144,21 @@ def test_a_request_cut_when_the_run_stops_keeps_its_record(engine: str) -> None:
     assert records[0].client_ns.first_token is not None
 
 
+def _send_in_turn(sim: SimProcess, n: int) -> list[RequestRecord]:
+    """`n` requests one after the other on the thread engine, as a closed-loop user
+    sends them; their records in order."""
+    session = Session(RunContext("turn", "w00"), sim.url, "llama", io_engine="thread")
+    records: list[RequestRecord] = []
+    session.hooks.append(lambda record, _out: records.append(record))
+    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
+    try:
+        for _ in range(n):
+            gevent.spawn(session.send, spec).get(timeout=30)
+    finally:
+        session.close()
+    return records
+
+
 def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
     fast_sim: SimProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -160,15 +175,7 @@ def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
         await real(*args)
 
     monkeypatch.setattr(engine, "_send_all", held_up)
-    session = Session(RunContext("held", "w00"), fast_sim.url, "llama", io_engine="thread")
-    records: list[RequestRecord] = []
-    session.hooks.append(lambda record, _out: records.append(record))
-    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
-    try:
-        for _ in range(4):
-            gevent.spawn(session.send, spec).get(timeout=30)
-    finally:
-        session.close()
+    records = _send_in_turn(fast_sim, 4)
     assert [r.ext.error_class for r in records] == [None] * 4
     assert [r.ext.connection_reused for r in records] == [False, True, True, True]
     gaps = [(r.client_ns.headers_sent - r.client_ns.request_start) / 1e6 for r in records]
@@ -200,15 +207,7 @@ def test_the_clients_own_time_around_a_request_is_its_turnaround(
         return await real(*args, **kw)
 
     monkeypatch.setattr(engine, "_attempt", held_up)
-    session = Session(RunContext("turn", "w00"), fast_sim.url, "llama", io_engine="thread")
-    records: list[RequestRecord] = []
-    session.hooks.append(lambda record, _out: records.append(record))
-    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
-    try:
-        for _ in range(3):
-            gevent.spawn(session.send, spec).get(timeout=30)
-    finally:
-        session.close()
+    records = _send_in_turn(fast_sim, 3)
     assert [r.ext.error_class for r in records] == [None] * 3
     held = [r.ext.turnaround_ms for r in records]
     assert all(t is not None and t > 0 for t in held), held
@@ -233,15 +232,7 @@ def test_a_scheduled_send_is_timed_from_its_instant_and_a_failure_has_no_turnaro
 
 
 def _one_new_connection(fast_sim: SimProcess) -> RequestRecord:
-    session = Session(RunContext("conn", "w00"), fast_sim.url, "llama", io_engine="thread")
-    records: list[RequestRecord] = []
-    session.hooks.append(lambda record, _out: records.append(record))
-    spec = RequestSpec(prompt=Prompt("s", 4, "a b c d"), max_tokens=4, reuse=True)
-    try:
-        gevent.spawn(session.send, spec).get(timeout=30)
-    finally:
-        session.close()
-    (record,) = records
+    (record,) = _send_in_turn(fast_sim, 1)
     assert record.ext.error_class is None and record.ext.connection_reused is False
     return record
 
