@@ -154,7 +154,8 @@ def _saturated_seen(
         )
     if own:
         text += (
-            f"; {own} records flagged by their own bounds (first-token late bound or start to sent)"
+            f"; {own} records flagged by their own bounds (send lag, first-token late bound "
+            "or start to sent)"
         )
     return text
 

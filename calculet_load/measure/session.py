@@ -255,7 +255,7 @@ def turnaround(spec: RequestSpec, out: Outcome, called_ns: int, back_ns: int) ->
     `called_ns` (or the schedule's instant, when the send was handed over before it) to
     its start stamp t0, and from its response's end t6 to the outcome back in the
     driver's hands at `back_ns`. A closed-loop user's next request waits for it: at 256
-    streams in waves, p50 5-8 ms and p99 about 100 ms (docs/measurement.md). None
+    streams in waves, p50 4.7-7.6 ms and p99 about 100 ms (docs/measurement.md). None
     without a start or a response end (a failure's end is its timeout's or its error's,
     not the client's)."""
     ns = out.client_ns
