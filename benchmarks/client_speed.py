@@ -143,8 +143,9 @@ class Point:
     threads: dict[str, float] = field(default_factory=dict)
     verdict: str = ""  # calculet: its own verdict (exit code and what it named)
     note: str = ""
-    # calculet-load's closed loop: its records' `ext.turnaround_ms`, the client's own
-    # time around each request (a user's next request waits for it): p50, p99, mean
+    # the closed loop's turnaround, ms (p50, p99, mean): calculet-load's records'
+    # `ext.turnaround_ms`, the client's own time around each request; the reference's
+    # from a response's last token to the same user's next send (`user_turnaround`)
     turnaround: tuple[float, float, float] | None = None
     load: float = float("nan")  # the 1-minute load average when the point started
 
@@ -472,8 +473,10 @@ def run_reference(
     if proc.returncode != 0:
         p.note = err.decode(errors="replace")[-300:]
     ttft, itl, tpot = [], [], []
-    for line in out.read_text().splitlines() if out.exists() else []:
-        _rid, t0, stamps, ok = json.loads(line)
+    rows = [json.loads(line) for line in (out.read_text().splitlines() if out.exists() else [])]
+    if p.mode == "closed":
+        p.turnaround = user_turnaround(rows)
+    for _rid, t0, stamps, ok, _user in rows:
         if not ok or not stamps:
             p.failed += 0 if ok else 1
             continue
@@ -484,6 +487,27 @@ def run_reference(
     truth = server.truth()
     p.requests = len(truth)
     p.err = errors({"ttft": ttft, "itl": itl, "tpot": tpot}, truth_figures(truth))
+
+
+def user_turnaround(rows: list[list[Any]]) -> tuple[float, float, float] | None:
+    """The reference's closed-loop turnaround (ms: p50, p99, mean): for each user, from a
+    response's last token to that user's next send (its rows: [id, t0, stamps, ok,
+    user]). calculet-load's `ext.turnaround_ms` leaves out the driver's own steps between
+    two sends, so it is the smaller of the two for the same client."""
+    by_user: dict[int, list[tuple[int, list[int]]]] = {}
+    for _rid, t0, stamps, _ok, user in rows:
+        if user is not None:
+            by_user.setdefault(user, []).append((t0, stamps))
+    gaps = [
+        (nxt[0] - prev[1][-1]) / 1e6
+        for sent in by_user.values()
+        for prev, nxt in zip(sorted(sent)[:-1], sorted(sent)[1:], strict=True)
+        if prev[1]
+    ]
+    if not gaps:
+        return None
+    p50, p99 = quantiles(gaps)
+    return p50, p99, float(np.mean(gaps))
 
 
 # ------------------------------------------------------------------- peers
@@ -589,10 +613,13 @@ def thread_line(p: Point) -> str:
     order = ("engine", "reader", "main", "sink", "other")
     parts = [f"{k} {p.threads[k]:,.0f}" for k in order if k in p.threads]
     line = "threads (µs/req): " + ", ".join(parts)
-    if p.turnaround is not None:
-        p50, p99, mean = p.turnaround
-        line += f"; turnaround (ms): p50 {p50:.2f}, p99 {p99:.2f}, mean {mean:.2f}"
-    return line
+    return line + ("; " + turnaround_text(p) if p.turnaround is not None else "")
+
+
+def turnaround_text(p: Point) -> str:
+    assert p.turnaround is not None
+    p50, p99, mean = p.turnaround
+    return f"turnaround (ms): p50 {p50:.2f}, p99 {p99:.2f}, mean {mean:.2f}"
 
 
 HEADER = (
@@ -616,7 +643,8 @@ MEANING = """\
   writer). turnaround (closed loop): the client's own time around each request, from
   the user's send to the start stamp and from the response's last bytes to the outcome
   back in the user's hands (ext.turnaround_ms); the user's next request waits for it, so
-  the server has fewer streams than asked for by its share of each cycle. A busy
+  the server has fewer streams than asked for by its share of each cycle. The
+  reference's: from a response's last token to the same user's next send. A busy
   machine makes every client look worse: compare clients within one run."""
 
 
@@ -802,6 +830,8 @@ def main() -> None:
                         print(f"  {'':<15} {'':>8} note: {p.note}", flush=True)
                     if "engine" in p.threads:
                         print(f"  {'':<15} {'':>8} {thread_line(p)}", flush=True)
+                    elif p.turnaround is not None:  # the reference's, the floor's
+                        print(f"  {'':<15} {'':>8} {turnaround_text(p)}", flush=True)
     finally:
         server.stop()
     la = os.getloadavg()

@@ -6,7 +6,8 @@ client can do. Each read is stamped (`time.monotonic_ns()`) first thing in
 Keep-alive connections, a fixed 128-id prompt (unique by its first id), the request id in
 `X-Request-Id`. Open loop (Poisson at `--rate`) or closed loop (`--concurrency` users).
 
-Writes one JSON line per request to `--out`: [request id, t0, [token arrival ns...], ok].
+Writes one JSON line per request to `--out`: [request id, t0, [token arrival ns...], ok,
+user] (user: the closed-loop user's index, null in open loop).
 
 `--python-reads`: the floor of a Python read loop that stamps the way calculet-load
 does. Each socket's reads are a Python callback on the loop (`add_reader`), each a
@@ -125,7 +126,7 @@ class Client:
         self.max_tokens = max_tokens
         self.prompt = list(range(1000, 1000 + prompt_tokens))
 
-    async def request(self) -> None:
+    async def request(self, user: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.seq += 1
         rid = f"ref.{self.seq:08d}"
@@ -166,7 +167,7 @@ class Client:
         t0 = time.monotonic_ns()
         conn.write(head + body)
         ok = await conn.done
-        self.results.append([rid, t0, conn.stamps, ok])
+        self.results.append([rid, t0, conn.stamps, ok, user])
         if ok:
             self.idle.append(conn)
 
@@ -191,11 +192,11 @@ async def run(args: argparse.Namespace) -> None:
             due += rng.expovariate(args.rate)
     else:
 
-        async def user() -> None:
+        async def user(index: int) -> None:
             while time.monotonic() < end:
-                await client.request()
+                await client.request(index)
 
-        tasks = {loop.create_task(user()) for _ in range(args.concurrency)}
+        tasks = {loop.create_task(user(i)) for i in range(args.concurrency)}
     if tasks:
         await asyncio.wait(tasks, timeout=args.seconds + 30)
     with open(args.out, "w") as f:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from calculet_load.measure.engine import READ_COALESCE_US, reads_natively
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +96,12 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
         if p["mode"] == "closed":
             p50, p99, mean = p["turnaround"]
             assert 0 < p50 <= p99 and 0 < mean <= p99, p
+    # ... and the reference's, from its users' rows
+    (ref,) = [p for p in points if p["client"] == "reference" and p["mode"] == "closed"]
+    p50, p99, mean = ref["turnaround"]
+    assert 0 < p50 <= p99 and 0 < mean <= p99, ref
+    # printed for each closed-loop point: the reference, the floor, both engines
+    assert done.stdout.count("turnaround (ms): p50 ") == 4, done.stdout
     for p in ours:
         t = p["threads"]
         assert set(t) >= (
@@ -192,3 +200,26 @@ def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
     (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
     assert cs.self_watch_note(tmp_path) == ""
     assert cs.self_watch_note(tmp_path / "missing") == ""
+
+
+def test_the_references_turnaround_runs_from_a_last_token_to_the_same_users_next_send() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import client_speed as cs
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    ms = 1_000_000
+    rows = [  # [id, t0, token stamps, ok, user], in the order requests ended
+        ["a", 0, [10 * ms, 20 * ms], True, 0],
+        ["b", 5 * ms, [30 * ms], True, 1],
+        ["c", 21 * ms, [40 * ms], True, 0],  # user 0: 1 ms after its last token
+        ["d", 33 * ms, [], False, 1],  # user 1: 3 ms; a failure ends no turn
+        ["e", 50 * ms, [60 * ms], True, 1],
+        ["f", 44 * ms, [70 * ms], True, 0],  # user 0: 4 ms
+        ["g", 1 * ms, [2 * ms], True, None],  # open loop: no user
+    ]
+    p50, p99, mean = cs.user_turnaround(rows)
+    assert mean == pytest.approx((1 + 3 + 4) / 3)
+    assert p50 == pytest.approx(3.0) and 3.0 < p99 <= 4.0
+    assert cs.user_turnaround([["g", 1, [2], True, None]]) is None
