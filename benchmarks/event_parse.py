@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 import psutil
-from client_speed import ExactServer  # this folder's: the exact server, started and stopped
+from speedkit import ExactServer  # this folder's: the exact server, started and stopped
 
 from calculet_load.clock import SystemClock
 from calculet_load.measure import native

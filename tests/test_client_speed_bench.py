@@ -167,13 +167,13 @@ def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
     seen = {"worker": "w00", "mono_ns": 7, "loop_lag_ms": 13.2, "cpu_percent": 35.0}
     quality = {"saturated_samples": {"count": 1, "worst": [seen]}}
     (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": verdicts, "quality": quality}))
-    assert cs.failed_rules(tmp_path) == [
+    assert cs.failed_rules(cs.verdict_doc(tmp_path)) == [
         "client_saturation 0.1109 > 0.05 (1 saturated self-watch samples: w00 13.2 ms at 35 % CPU)",
         "send_lag 15.46 > 10",
     ]
     (tmp_path / "verdict.json").write_text("{not json")
-    assert cs.failed_rules(tmp_path) == []
-    assert cs.failed_rules(tmp_path / "missing") == []
+    assert cs.failed_rules(cs.verdict_doc(tmp_path)) == []
+    assert cs.failed_rules(cs.verdict_doc(tmp_path / "missing")) == []
 
 
 def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
@@ -192,14 +192,14 @@ def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
         "saturated_by_own_bounds": 0,
     }
     (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
-    assert cs.self_watch_note(tmp_path) == (
+    assert cs.self_watch_note(cs.verdict_doc(tmp_path)) == (
         "self-watch (1 saturated self-watch samples: w00 8.1 ms at 41 % CPU); 412 "
         "kernel-stamped records under loop lag judged by their own bounds"
     )
     quality = {"saturated_samples": {"count": 0, "worst": []}, "lag_judged_by_own_bounds": 0}
     (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
-    assert cs.self_watch_note(tmp_path) == ""
-    assert cs.self_watch_note(tmp_path / "missing") == ""
+    assert cs.self_watch_note(cs.verdict_doc(tmp_path)) == ""
+    assert cs.self_watch_note(cs.verdict_doc(tmp_path / "missing")) == ""
 
 
 def test_the_references_turnaround_runs_from_a_last_token_to_the_same_users_next_send() -> None:
