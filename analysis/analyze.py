@@ -102,8 +102,8 @@ def _quality_info(ev: Evidence) -> dict[str, Any]:
             "count": len(q.saturated_samples),
             "worst": list(q.saturated_samples[:SATURATED_KEPT]),
         },
-        # kernel-stamped records a loop-lag-only sample covered (judged by their own
-        # bounds instead), and records flagged by their own bounds
+        # open-loop kernel-stamped records a loop-lag-only sample covered (judged by
+        # their own bounds instead), and records flagged by their own bounds
         "lag_judged_by_own_bounds": q.lag_judged_by_own_bounds,
         "saturated_by_own_bounds": q.saturated_by_own_bounds,
     }

@@ -34,6 +34,11 @@ flagged when any sample covering part of [t0, its last stamp] is saturated. Requ
 a worker without samples are not flagged by samples: that is reported as no data, not
 as clean.
 
+Samples marked `warmup` (the worker's start-up, before its prompts, tokenization and
+connections were ready; calculet_load.measure.selfwatch) are left out first: the worker sends
+nothing until its warm-up ends, and it closes the warm-up with a sample, so the judged
+samples cover every request and no start-up work.
+
 Loop lag (how late the self-watch's timer fired on the worker's gevent loop) bounds how
 late a stamp taken on that loop can be, and how late the loop sends a request. Neither
 holds for an open-loop request whose stamps are the kernel's receive times of its bytes
@@ -71,7 +76,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.errors import ArtifactError
-from analysis.tables.join import BoolArray, IntArray
+from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.load import NetworkBreak, RunData
 from analysis.tables.netbreaks import detect_breaks
 from calculet_load.schema.clocks import to_reference_ns
@@ -175,11 +180,11 @@ def _span(d: pa.Table) -> tuple[IntArray, IntArray, BoolArray]:
     return t0, end, ok
 
 
-def _floats(table: pa.Table, name: str) -> tuple[np.ndarray, BoolArray]:
-    col = table.column(name)
-    ok = np.asarray(pc.is_valid(col).to_numpy(zero_copy_only=False), dtype=bool)
-    v = np.asarray(pc.fill_null(col, 0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
-    return v, ok
+def _floats(table: pa.Table, name: str) -> FloatArray:
+    """A float column, NaN where null: a comparison with NaN is False, so a figure the
+    record does not have passes no limit."""
+    col = pc.fill_null(pc.cast(table.column(name), pa.float64()), np.nan)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
 def _own_bounds(d: pa.Table, limit_ms: float) -> tuple[BoolArray, BoolArray]:
@@ -192,21 +197,20 @@ def _own_bounds(d: pa.Table, limit_ms: float) -> tuple[BoolArray, BoolArray]:
         ),
         dtype=bool,
     )
-    lag, scheduled = _floats(d, "ext.send_lag_ms")
-    retry = _bools(d, "ext.stale_retry")
-    late, late_ok = _floats(d, "ext.stamp_late_bound_ms")
+    lag = _floats(d, "ext.send_lag_ms")
     # a stale retry's start and send are its retry's; its first send kept the schedule
-    over = (late_ok & (late > limit_ms)) | (scheduled & ~retry & (lag > limit_ms))
+    retry = _bools(d, "ext.stale_retry")
     t0, t0_ok = _ints(d, "client_ns.request_start")
     t1, t1_ok = _ints(d, "client_ns.headers_sent")
-    connect, connect_ok = _floats(d, "ext.connect_ms")
-    reused = _bools(d, "ext.connection_reused")
-    held_ms = (t1 - t0) / 1e6 - np.where(reused, 0.0, connect)
-    # as the Locust self-check: a new connection whose connect was not recorded (records
-    # from before ext.connect_ms) and a stale retry are not judged
-    timed = t0_ok & t1_ok & (reused | connect_ok) & ~retry
-    over |= timed & (held_ms > limit_ms)
-    judged = kernel & scheduled
+    # start to sent, less a new connection's connect; NaN (not judged, as in the Locust
+    # self-check) for a new connection whose connect was not recorded (records from
+    # before ext.connect_ms)
+    connect = np.where(_bools(d, "ext.connection_reused"), 0.0, _floats(d, "ext.connect_ms"))
+    held_ms = np.where(t0_ok & t1_ok, (t1 - t0) / 1e6, np.nan) - connect
+    over = (_floats(d, "ext.stamp_late_bound_ms") > limit_ms) | (
+        ~retry & ((lag > limit_ms) | (held_ms > limit_ms))
+    )
+    judged = kernel & ~np.isnan(lag)
     return judged, judged & over
 
 

@@ -224,7 +224,9 @@ static void *thread_main(void *arg) {
      * pass. Dense: the sockets ready per wake-up over the time between wake-ups (each a
      * moving average) would fill a coalesce_ns pass with DENSE_READS or more. Sparser, a
      * sleep would often find one socket or none ready (measured: more CPU a read than
-     * reading each as it comes), and each read is made at once. */
+     * reading each as it comes), and each read is made at once. The cost: two events of
+     * one stream that arrive within a pass's window share its read and stamp, so the
+     * window is opt-in (coalesce_ns 0 by default: measure.engine, READ_COALESCE_ENV). */
     int64_t woke = 0;
     double per_wake = 1.0, gap = 1e9; /* sockets ready, ns between wake-ups */
     for (;;) {
