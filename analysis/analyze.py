@@ -102,10 +102,17 @@ def _quality_info(ev: Evidence) -> dict[str, Any]:
             "count": len(q.saturated_samples),
             "worst": list(q.saturated_samples[:SATURATED_KEPT]),
         },
-        # open-loop kernel-stamped records a loop-lag-only sample covered (judged by
-        # their own bounds instead), and records flagged by their own bounds
+        # kernel-stamped records a loop-lag-only sample covered (judged by their own
+        # bounds, or a closed loop's by its cell's hold, instead), and records flagged so
         "lag_judged_by_own_bounds": q.lag_judged_by_own_bounds,
         "saturated_by_own_bounds": q.saturated_by_own_bounds,
+        # the closed-loop cells judged by the client's hold of their users: how many, the
+        # held ones and the SATURATED_KEPT most held (analysis.tables.saturation)
+        "closed_loop_holds": {
+            "count": len(q.closed_loop_holds),
+            "held": [h for h in q.closed_loop_holds if h["held"]][:SATURATED_KEPT],
+            "most_held": list(q.closed_loop_holds[:SATURATED_KEPT]),
+        },
     }
 
 

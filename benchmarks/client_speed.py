@@ -169,9 +169,9 @@ def failed_rules(doc: dict[str, Any]) -> list[str]:
 
 def self_watch_note(doc: dict[str, Any]) -> str:
     """What the self-watch saw in a point analyze passed, from its verdict.json
-    (`verdict_doc`): the saturated samples, and the open-loop kernel-stamped records it
-    judged by their own bounds instead of their loop lag (analysis.tables.quality); ''
-    when none."""
+    (`verdict_doc`): the saturated samples, the kernel-stamped records it judged by their
+    own bounds instead of their loop lag, and the most held closed-loop cell's hold of
+    its users (analysis.tables.saturation); '' when none."""
     q = doc.get("quality") or {}
     parts = []
     if saw := _self_watch_saw(doc):
@@ -179,7 +179,13 @@ def self_watch_note(doc: dict[str, Any]) -> str:
     if spared := q.get("lag_judged_by_own_bounds"):
         parts.append(f"{spared} kernel-stamped records under loop lag judged by their own bounds")
     if own := q.get("saturated_by_own_bounds"):
-        parts.append(f"{own} records flagged by their own bounds")
+        parts.append(f"{own} records flagged by their own bounds or their cell's hold")
+    if most := ((q.get("closed_loop_holds") or {}).get("most_held") or [])[:1]:
+        h = most[0]
+        parts.append(
+            f"closed loop: users held {h['mean_hold_ms']:.1f} ms a request, "
+            f"{h['held_share']:.1%} of their time ({'held' if h['held'] else 'within limits'})"
+        )
     return "; ".join(parts)
 
 

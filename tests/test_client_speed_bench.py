@@ -196,6 +196,14 @@ def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
         "self-watch (1 saturated self-watch samples: w00 8.1 ms at 41 % CPU); 412 "
         "kernel-stamped records under loop lag judged by their own bounds"
     )
+    hold = {"cell": "x|c256|closed|stream", "worker": "w00", "records": 5000}
+    hold |= {"mean_hold_ms": 11.42, "held_share": 0.0168, "held": False}
+    quality["closed_loop_holds"] = {"count": 1, "held": [], "most_held": [hold]}
+    (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
+    assert cs.self_watch_note(cs.verdict_doc(tmp_path)).endswith(
+        "judged by their own bounds; closed loop: users held 11.4 ms a request, 1.7% of "
+        "their time (within limits)"
+    )
     quality = {"saturated_samples": {"count": 0, "worst": []}, "lag_judged_by_own_bounds": 0}
     (tmp_path / "verdict.json").write_text(json.dumps({"verdicts": [], "quality": quality}))
     assert cs.self_watch_note(cs.verdict_doc(tmp_path)) == ""

@@ -50,7 +50,7 @@ from analysis.judge.rules import CapacityRule, CellSelector
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.quantiles import quantile, quantile_ci
 from analysis.stats.trend import LeakStatus, detect_leak
-from analysis.tables.cells import CELL_FIELDS, CellKey
+from analysis.tables.cellkey import CellKey, rows_by_cell
 from analysis.tables.quality import Partition
 
 __all__ = [
@@ -129,21 +129,7 @@ def _cell_rows(t: pa.Table) -> dict[CellKey, Any]:
     open_rows = np.flatnonzero(np.isin(arrival, OPEN_LOOP))
     if open_rows.size == 0:
         return {}
-    sub = t.take(pa.array(open_rows))
-    cols = [sub.column(c) for c in CELL_FIELDS]
-    label = pc.binary_join_element_wise(
-        *[pc.fill_null(pc.cast(c, pa.string()), "\x00") for c in cols], "\x1f"
-    )
-    codes = np.asarray(
-        pa.chunked_array(label).combine_chunks().dictionary_encode().indices, dtype=np.int64
-    )
-    out: dict[CellKey, Any] = {}
-    for code in np.unique(codes):
-        rows = np.flatnonzero(codes == code)
-        first = int(rows[0])
-        key = CellKey(*(c[first].as_py() for c in cols))
-        out[key] = open_rows[rows]
-    return out
+    return {key: rows for (key, _), rows in rows_by_cell(t, open_rows).items()}
 
 
 def _nominal(key: CellKey, index: dict[str, Any] | None) -> float | None:

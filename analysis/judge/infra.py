@@ -131,13 +131,17 @@ SATURATED_NAMED = 3
 
 
 def _saturated_seen(
-    samples: tuple[dict[str, Any], ...], judged: int, spared: int = 0, own: int = 0
+    samples: tuple[dict[str, Any], ...],
+    judged: int,
+    spared: int = 0,
+    own: int = 0,
+    holds: tuple[dict[str, Any], ...] = (),
 ) -> str:
     """What the self-watch saw, for the client_saturation verdict: how many of its judged
     samples were saturated, and the worst (they come longest loop lag first) with their
-    lag and CPU; then the records judged by their own bounds (analysis.tables.quality:
-    an open-loop kernel-stamped record under a loop-lag-only sample, a record whose own bounds
-    passed the limit)."""
+    lag and CPU; then the records judged by their own bounds (analysis.tables.saturation:
+    a kernel-stamped record under a loop-lag-only sample, a record whose own bounds
+    passed the limit) and the closed-loop cells the client held."""
     text = ""
     if samples:
         worst = samples[:SATURATED_NAMED]
@@ -149,14 +153,22 @@ def _saturated_seen(
         text = f"; {len(samples)} of {judged} self-watch samples saturated: {named}"
     if spared:
         text += (
-            f"; {spared} open-loop records under a sample that saw only loop lag had the "
-            "kernel's stamps, which no loop delays: judged by their own bounds"
+            f"; {spared} records under a sample that saw only loop lag had the kernel's "
+            "stamps, which no loop delays: judged by their own bounds (a closed loop's "
+            "by its cell's hold)"
         )
     if own:
         text += (
             f"; {own} records flagged by their own bounds (send lag, first-token late bound "
-            "or start to sent)"
+            "or start to sent) or their closed-loop cell's hold"
         )
+    if held := [h for h in holds if h["held"]]:
+        named = ", ".join(
+            f"{h['cell']} on {h['worker']} (users held {h['mean_hold_ms']:.1f} ms a request, "
+            f"{h['held_share']:.1%} of their time)"
+            for h in held[:SATURATED_NAMED]
+        )
+        text += f"; {len(held)} closed-loop cells held by the client: {named}"
     return text
 
 
@@ -227,6 +239,7 @@ def check_infrastructure(
                 q.selfwatch_samples - q.selfwatch_warmup_samples,
                 q.lag_judged_by_own_bounds,
                 q.saturated_by_own_bounds,
+                q.closed_loop_holds,
             ),
         ),
         _fraction(

@@ -33,6 +33,7 @@ from analysis.stats.quantiles import (
     summarize,
     window_tokens,
 )
+from analysis.tables.cellkey import CELL_FIELDS, CellKey
 from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.load import TokenParts
 from analysis.tables.quality import Partition, Reason
@@ -52,7 +53,6 @@ __all__ = [
     "summarize_cells",
 ]
 
-CELL_FIELDS = ("ext.cell", "workload.concurrency", "ext.arrival", "workload.stream")
 SUMMARY_PARTITIONS = (Partition.MEASURED, Partition.THROTTLED, Partition.WARMUP)
 
 ERROR_GROUPS: dict[str, tuple[str, ...]] = {
@@ -101,20 +101,6 @@ METRICS: tuple[Metric, ...] = (
     Metric("unattributed_ttft_ms", "join.unattributed_ttft_ms", "TTFT − (first flush − accepted)"),
 )
 _ALWAYS = ("ttft_ms", "tpot_ms", "e2e_ms")
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class CellKey:
-    name: str | None
-    concurrency: int | None
-    arrival: str | None
-    stream: bool | None
-
-    @property
-    def label(self) -> str:
-        c = "-" if self.concurrency is None else f"c{self.concurrency}"
-        s = "-" if self.stream is None else ("stream" if self.stream else "whole")
-        return "|".join((self.name or "-", c, self.arrival or "-", s))
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 A greenlet wakes every `interval_s` and measures how late it woke (event-loop lag: time
 every other greenlet made it wait, which is also how late a timestamp taken on the loop
 can be; a kernel receive time waits for no loop, and the analysis judges an open-loop
-request stamped so by its own bounds: analysis.tables.quality), and samples this
+request stamped so by its own bounds: analysis.tables.saturation), and samples this
 process's CPU and RSS with psutil. Samples go to the sink beside the records, so the
 analysis can exclude windows where the client was saturated.
 
@@ -11,7 +11,7 @@ Start-up is not load. A watch started with `warmup=True` marks its samples `warm
 until `end_warmup()`, which the owner calls once its prompts, tokenization and
 connections are ready and before its first request: it closes the warm-up with one
 last warm-up sample and starts the next interval there, so no judged sample covers
-start-up work and every request falls under judged samples (analysis.tables.quality ignores
+start-up work and every request falls under judged samples (analysis.tables.saturation ignores
 warm-up samples only).
 """
 

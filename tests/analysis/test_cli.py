@@ -179,8 +179,7 @@ def test_a_loop_stall_does_not_flag_open_loop_records_with_the_kernels_stamps(
     assert v["status"] == "pass"
     assert "1 of" in v["reason"] and "w00 loop lag 13.2 ms at 35 % CPU" in v["reason"]
     assert (
-        "6 open-loop records under a sample that saw only loop lag had the kernel's stamps"
-        in (v["reason"])
+        "6 records under a sample that saw only loop lag had the kernel's stamps" in (v["reason"])
     )
     kept = json.loads((Path(run_dir) / "verdict.json").read_text())["quality"]
     # one record sent 6 ms after its schedule: flagged by its own bound, named

@@ -12,7 +12,11 @@ from analysis.errors import ArtifactError
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
 from calculet_load.schema.records import RequestRecord
-from calculet_load.schema.selfwatch import SATURATED_CPU_PERCENT, SATURATED_LAG_MS
+from calculet_load.schema.selfwatch import (
+    HELD_SHARE_LIMIT,
+    SATURATED_CPU_PERCENT,
+    SATURATED_LAG_MS,
+)
 from tests.analysis.runs import MS, WALL0, RunBuilder, request, selfwatch
 
 S = 1_000 * MS
@@ -184,6 +188,100 @@ def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_pat
     assert q.saturated == 7
     assert q.lag_judged_by_own_bounds == 2  # "kernel", "lagged"
     assert q.saturated_by_own_bounds == 4  # "late", "held", "sent late", "lagged"
+
+
+def _closed(
+    rid: str,
+    t0: int,
+    turnaround_ms: float | None,
+    *,
+    ms: float,
+    cell: str,
+    worker: str = "w00",
+    held_ms: float = 0.1,
+) -> RequestRecord:
+    """A closed-loop kernel-stamped request of 2 streams, `ms` from t0 to t6 (5 tokens),
+    written `held_ms` after t0, whose user the client held `turnaround_ms` around it."""
+    pace = int((ms - 0.1) * MS / 5)
+    own = {
+        "stamp_source": "kernel",
+        "stamp_late_bound_ms": 0.0,
+        "connection_reused": True,
+        "turnaround_ms": turnaround_ms,
+    }
+    rec = request(
+        rid, t0=t0, ttft=pace, tpot=pace, cell=cell, worker=worker, concurrency=2, ext=own
+    )
+    sent = t0 + int(held_ms * MS)
+    return dataclasses.replace(rec, client_ns=dataclasses.replace(rec.client_ns, headers_sent=sent))
+
+
+def test_a_closed_loop_cell_is_judged_by_how_long_the_client_held_its_users(
+    tmp_path: Path,
+) -> None:
+    """A closed-loop kernel-stamped cell is judged, per worker, by the client's hold of
+    its users (ext.turnaround_ms), not by a loop-lag sample: held when the mean hold per
+    request passes SATURATED_LAG_MS and its share of the users' time passes
+    HELD_SHARE_LIMIT, and then every request of it is flagged."""
+    b = RunBuilder(tmp_path)
+    b.watch += [selfwatch("w00", k * S, lag_ms=8.0 if k == 1 else 0.0) for k in range(1, 5)]
+    b.watch += [selfwatch("w01", k * S) for k in range(1, 5)]
+
+    def add(rid: str, t0_ms: int, turn: float | None, ms: float, cell: str, **kw: object) -> None:
+        b.add(_closed(rid, t0_ms * MS, turn, ms=ms, cell=cell, **kw))
+
+    # the loop stalled once (the 8-ms sample), but the users were held 0.5 ms a request
+    add("calm-1", 600, 0.5, 40.0, "calm")
+    add("calm-2", 700, 0.5, 40.0, "calm")
+    add("calm-slow", 2_100, 0.5, 40.0, "calm", held_ms=SATURATED_LAG_MS + 1)  # its own bound
+    # stopped 100 ms in every 110: held 96 ms a request, 88 % of the users' time
+    add("starved-1", 2_200, 96.0, 13.0, "starved")
+    add("starved-2", 2_400, 96.0, 13.0, "starved")
+    add("starved-failed", 2_600, None, 13.0, "starved")  # no turnaround: its cell's
+    add("starved-other-worker", 2_200, 0.5, 13.0, "starved", worker="w01")  # judged apart
+    # waves at 256 streams: 12 ms a request, but 1.7 % of 680-ms requests
+    add("waves", 3_000, 12.0, 680.0, "waves")
+    # 1-ms requests: a round trip of 0.7 ms is 41 % of the users' time, and no stall
+    add("short", 3_200, 0.7, 1.0, "short")
+    # a mean at the limit does not pass it
+    add("at-limit", 3_300, SATURATED_LAG_MS, 20.0, "at-limit")
+    # a closed-loop cell without turnarounds (records from before them): loop lag judges
+    add("old", 650, None, 40.0, "old")
+    table, q = apply_quality(load_run(b.write()))
+    flagged = dict(
+        zip(
+            table.column("request_id").to_pylist(),
+            table.column("quality.client_saturated").to_pylist(),
+            strict=True,
+        )
+    )
+    assert flagged == {
+        "calm-1": False,
+        "calm-2": False,
+        "calm-slow": True,
+        "starved-1": True,
+        "starved-2": True,
+        "starved-failed": True,
+        "starved-other-worker": False,
+        "waves": False,
+        "short": False,
+        "at-limit": False,
+        "old": True,
+    }
+    holds = {(h["cell"], h["worker"]): h for h in q.closed_loop_holds}
+    starved = holds[("starved|c2|closed|stream", "w00")]
+    assert starved["held"] and starved["records"] == 2 and starved["mean_hold_ms"] == 96.0
+    assert starved["held_share"] == pytest.approx(96 / (96 + 13), abs=1e-4)
+    assert q.closed_loop_holds[0] is starved  # most held first
+    assert not holds[("waves|c2|closed|stream", "w00")]["held"]
+    assert holds[("waves|c2|closed|stream", "w00")]["held_share"] == pytest.approx(
+        12 / 692, abs=1e-4
+    )
+    assert not holds[("starved|c2|closed|stream", "w01")]["held"]
+    assert ("old|c2|closed|stream", "w00") not in holds
+    assert q.lag_judged_by_own_bounds == 2  # "calm-1", "calm-2"
+    assert q.saturated_by_own_bounds == 4  # "calm-slow" and the starved cell's three
+    assert q.thresholds["held_share"] == HELD_SHARE_LIMIT
 
 
 def test_a_record_with_several_reasons_is_counted_under_each(tmp_path: Path) -> None:
