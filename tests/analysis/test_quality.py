@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from analysis.errors import ArtifactError
@@ -118,6 +119,12 @@ def test_cpu_saturation_uses_the_shared_limit(tmp_path: Path) -> None:
     assert q.saturated == 1
 
 
+def _flags(table: pa.Table) -> dict[str, bool]:
+    """Each record's `quality.client_saturated`, by its request id."""
+    ids = table.column("request_id").to_pylist()
+    return dict(zip(ids, table.column("quality.client_saturated").to_pylist(), strict=True))
+
+
 def _kernel(
     rid: str, t0: int, held_ms: float = 0.1, arrival: str = "poisson", **ext: object
 ) -> RequestRecord:
@@ -163,13 +170,7 @@ def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_pat
     b.add(_kernel("lagged", t0=700 * MS, held_ms=SATURATED_LAG_MS + 1))
     b.add(_kernel("clean", t0=3_500 * MS))
     table, q = apply_quality(load_run(b.write()))
-    flagged = dict(
-        zip(
-            table.column("request_id").to_pylist(),
-            table.column("quality.client_saturated").to_pylist(),
-            strict=True,
-        )
-    )
+    flagged = _flags(table)
     assert flagged == {
         "read": True,
         "kernel": False,
@@ -248,13 +249,7 @@ def test_a_closed_loop_cell_is_judged_by_how_long_the_client_held_its_users(
     # a closed-loop cell without turnarounds (records from before them): loop lag judges
     add("old", 650, None, 40.0, "old")
     table, q = apply_quality(load_run(b.write()))
-    flagged = dict(
-        zip(
-            table.column("request_id").to_pylist(),
-            table.column("quality.client_saturated").to_pylist(),
-            strict=True,
-        )
-    )
+    flagged = _flags(table)
     assert flagged == {
         "calm-1": False,
         "calm-2": False,
