@@ -24,11 +24,23 @@ figures per cell at the end of a Locust run):
     ext.send_lag_ms           its send against its schedule (not of a stale retry: its
                               first send kept the schedule)
     ext.stamp_late_bound_ms   the most its first-token stamp can be late (its first token
-                              shared a read with later bytes)
+                              shared a read with later bytes), under a sample that saw
+                              loop lag only (below)
     start to sent             t1 − t0, less a new connection's ext.connect_ms: how long
                               the client held the request between its start stamp and
                               its write, which every duration from t0 carries (not of a
                               stale retry: its start was the first attempt's)
+
+The send lag and start to sent are delays the client measured; the late bound is not.
+It is the time from the read before to the kernel's stamp of the read that carried the
+first token with later bytes: the most that token can have waited, when it arrived just
+after the read before. A server that writes two events back to back after its prefill
+(the simulator's batched steps do; so does a chat stream's role chunk and first token)
+puts them in one read however soon the client reads, and the bound is then the prefill
+(7.3 ms in one fresh clone's crosstalk cell of a quiet serial test) while the stamp is
+exact. So a late bound over the limit flags a request only under a self-watch sample
+that saw the client's loop lag over it (the Locust run's self-check reads the bound's
+P99 per cell, against its 10-ms budget).
 
 A closed-loop request is judged by its cell's hold as well: how soon its user sends the
 next one is the client's too, and a client that could not keep its users' requests
@@ -38,7 +50,8 @@ back in the user's hands); per cell and worker, the mean hold and its share of t
 users' time Σ turnaround / Σ (t6 − t0 + turnaround), by which the streams the server
 had fell short of the cell's (Little's law). A closed-loop kernel-stamped request is
 flagged when its cell and worker passed both (mean over SATURATED_LAG_MS, share over
-HELD_SHARE_LIMIT), or its own late bound or start to sent passed SATURATED_LAG_MS.
+HELD_SHARE_LIMIT), or its own start to sent passed SATURATED_LAG_MS (its late bound:
+as above).
 
 Both figures are needed. A client stopped 100 ms in every 110 held its users 96 ms a
 request, 88 % of their time. 256 streams of 680-ms requests are held 12 ms a request by
@@ -72,14 +85,14 @@ from analysis.tables.load import RunData
 __all__ = ["Saturation", "judge_saturation", "warmup_samples"]
 
 
-def _own_bounds(d: pa.Table, limit_ms: float) -> tuple[BoolArray, BoolArray]:
+def _own_bounds(d: pa.Table, limit_ms: float, lagging: BoolArray) -> tuple[BoolArray, BoolArray]:
     """(which open-loop requests are judged by their own bounds: the kernel's stamps and
     an open loop's schedule, which of those passed `limit_ms`: the send lag, start to
-    sent, or the first token's late bound)."""
+    sent, or the first token's late bound under a sample that saw loop lag)."""
     lag = floats(d, "ext.send_lag_ms")
     judged = _kernel_stamped(d) & ~np.isnan(lag)
-    over = _late_or_held(d, limit_ms) | (~bools(d, "ext.stale_retry") & (lag > limit_ms))
-    return judged, judged & over
+    over = _direct(d, limit_ms) | (~bools(d, "ext.stale_retry") & (lag > limit_ms))
+    return judged, judged & (over | (lagging & _late(d, limit_ms)))
 
 
 def _kernel_stamped(d: pa.Table) -> BoolArray:
@@ -91,22 +104,28 @@ def _kernel_stamped(d: pa.Table) -> BoolArray:
     )
 
 
-def _late_or_held(d: pa.Table, limit_ms: float) -> BoolArray:
-    """The first token's late bound, or start to sent (not of a stale retry: its start
-    was the first attempt's), over `limit_ms`."""
+def _direct(d: pa.Table, limit_ms: float) -> BoolArray:
+    """Start to sent over `limit_ms` (not of a stale retry: its start was the first
+    attempt's): how long the client held the request between its start stamp and its
+    write, which every duration from t0 carries."""
     retry = bools(d, "ext.stale_retry")
     t0, t0_ok = ints(d, "client_ns.request_start")
     t1, t1_ok = ints(d, "client_ns.headers_sent")
-    # start to sent, less a new connection's connect; NaN (not judged, as in the Locust
-    # self-check) for a new connection whose connect was not recorded (records from
-    # before ext.connect_ms)
+    # less a new connection's connect; NaN (not judged, as in the Locust self-check) for a
+    # new connection whose connect was not recorded (records from before ext.connect_ms)
     connect = np.where(bools(d, "ext.connection_reused"), 0.0, floats(d, "ext.connect_ms"))
     held_ms = np.where(t0_ok & t1_ok, (t1 - t0) / 1e6, np.nan) - connect
-    return (floats(d, "ext.stamp_late_bound_ms") > limit_ms) | (~retry & (held_ms > limit_ms))
+    return ~retry & (held_ms > limit_ms)
+
+
+def _late(d: pa.Table, limit_ms: float) -> BoolArray:
+    """The first token's late bound over `limit_ms`: an upper bound, not a delay (see the
+    module's docstring), so it flags only where a sample saw the client's loop lag."""
+    return floats(d, "ext.stamp_late_bound_ms") > limit_ms
 
 
 def _closed_loop_holds(
-    d: pa.Table, limit_ms: float, share_limit: float
+    d: pa.Table, limit_ms: float, share_limit: float, lagging: BoolArray
 ) -> tuple[BoolArray, BoolArray, tuple[dict[str, Any], ...]]:
     """(which closed-loop requests are judged by their cell's hold and their own bounds,
     which of those are flagged, each judged cell and worker's hold, most held first).
@@ -118,7 +137,8 @@ def _closed_loop_holds(
     by which the streams the server had fell short of the cell's (Little's law). The
     cell and worker is held when both pass: the mean over `limit_ms` (the bound the
     stamps have) and the share over `share_limit`. Every closed-loop request of it is
-    then flagged; so is one whose own late bound or start to sent passed `limit_ms`."""
+    then flagged; so is one whose start to sent passed `limit_ms`, or its first token's
+    late bound under a sample that saw loop lag (`lagging`)."""
     n = d.num_rows
     judged = np.zeros(n, dtype=bool)
     over = np.zeros(n, dtype=bool)
@@ -152,7 +172,7 @@ def _closed_loop_holds(
                 "held": flagged,
             }
         )
-    over |= judged & _late_or_held(d, limit_ms)
+    over |= judged & (_direct(d, limit_ms) | (lagging & _late(d, limit_ms)))
     holds.sort(key=lambda h: -h["held_share"])
     return judged, over, tuple(holds)
 
@@ -222,8 +242,8 @@ def judge_saturation(
         for flags, b in ((by_cpu, busy[order]), (by_lag, lagging[order])):
             cum = np.concatenate(([0], np.cumsum(b)))
             flags[req] = covered & (cum[hi + 1] - cum[lo_c] > 0)
-    judged, own = _own_bounds(d, lag_ms)
-    closed, held, holds = _closed_loop_holds(d, lag_ms, held_share)
+    judged, own = _own_bounds(d, lag_ms, by_lag)
+    closed, held, holds = _closed_loop_holds(d, lag_ms, held_share, by_lag)
     judged |= closed
     own |= held
     return Saturation(

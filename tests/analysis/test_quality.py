@@ -142,9 +142,10 @@ def _kernel(
 def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_path: Path) -> None:
     """Loop lag bounds stamps taken on the loop and the loop's sends, not the kernel's
     stamps nor a send timed against its schedule: an open-loop kernel-stamped record
-    under a sample that saw only loop lag is judged by its own bounds (send lag, its
-    first token's late bound, start to sent); a closed-loop one is not (its user's next
-    request waits for the loop); a CPU-saturated sample flags every record it covers."""
+    under a sample that saw only loop lag is judged by its own bounds (send lag, start
+    to sent, and its first token's late bound there); a closed-loop one without a
+    turnaround is not (its user's next request waits for the loop); a CPU-saturated
+    sample flags every record it covers."""
     b = RunBuilder(tmp_path)
     b.watch += [
         selfwatch("w00", 1 * S, lag_ms=8.0, cpu=30.0),
@@ -156,8 +157,11 @@ def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_pat
     b.add(_kernel("kernel", t0=600 * MS))  # the kernel's stamps, open loop: not flagged
     b.add(_kernel("closed", t0=650 * MS, arrival="closed"))  # closed loop: flagged
     b.add(_kernel("cpu", t0=1_500 * MS))  # under the CPU sample: flagged
+    # a late bound is the most a stamp can be late (a server's burst makes it the
+    # prefill): it flags only under a sample that saw loop lag
     b.add(_kernel("late", t0=2_100 * MS, stamp_late_bound_ms=SATURATED_LAG_MS + 1))
-    b.add(_kernel("at", t0=2_200 * MS, stamp_late_bound_ms=SATURATED_LAG_MS))  # the limit
+    b.add(_kernel("late, lagged", t0=800 * MS, stamp_late_bound_ms=SATURATED_LAG_MS + 1))
+    b.add(_kernel("at", t0=850 * MS, stamp_late_bound_ms=SATURATED_LAG_MS))  # the limit
     b.add(_kernel("held", t0=2_300 * MS, held_ms=SATURATED_LAG_MS + 1))
     # a new connection: its connect (5.5 ms) is the network's wait, not the client's
     b.add(_kernel("new", t0=2_400 * MS, held_ms=6.0, connection_reused=False, connect_ms=5.5))
@@ -176,7 +180,8 @@ def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_pat
         "kernel": False,
         "closed": True,
         "cpu": True,
-        "late": True,
+        "late": False,
+        "late, lagged": True,
         "at": False,
         "held": True,
         "new": False,
@@ -187,8 +192,8 @@ def test_open_loop_kernel_stamped_records_are_judged_by_their_own_bounds(tmp_pat
         "clean": False,
     }
     assert q.saturated == 7
-    assert q.lag_judged_by_own_bounds == 2  # "kernel", "lagged"
-    assert q.saturated_by_own_bounds == 4  # "late", "held", "sent late", "lagged"
+    assert q.lag_judged_by_own_bounds == 4  # "kernel", "lagged", "late, lagged", "at"
+    assert q.saturated_by_own_bounds == 4  # "late, lagged", "held", "sent late", "lagged"
 
 
 def _closed(
@@ -200,13 +205,14 @@ def _closed(
     cell: str,
     worker: str = "w00",
     held_ms: float = 0.1,
+    late_ms: float = 0.0,
 ) -> RequestRecord:
     """A closed-loop kernel-stamped request of 2 streams, `ms` from t0 to t6 (5 tokens),
     written `held_ms` after t0, whose user the client held `turnaround_ms` around it."""
     pace = int((ms - 0.1) * MS / 5)
     own = {
         "stamp_source": "kernel",
-        "stamp_late_bound_ms": 0.0,
+        "stamp_late_bound_ms": late_ms,
         "connection_reused": True,
         "turnaround_ms": turnaround_ms,
     }
@@ -235,6 +241,9 @@ def test_a_closed_loop_cell_is_judged_by_how_long_the_client_held_its_users(
     add("calm-1", 600, 0.5, 40.0, "calm")
     add("calm-2", 700, 0.5, 40.0, "calm")
     add("calm-slow", 2_100, 0.5, 40.0, "calm", held_ms=SATURATED_LAG_MS + 1)  # its own bound
+    # a late bound flags under the loop-lag sample only (a burst makes it the prefill)
+    add("calm-late", 2_150, 0.5, 40.0, "calm", late_ms=SATURATED_LAG_MS + 1)
+    add("calm-late-lagged", 750, 0.5, 40.0, "calm", late_ms=SATURATED_LAG_MS + 1)
     # stopped 100 ms in every 110: held 96 ms a request, 88 % of the users' time
     add("starved-1", 2_200, 96.0, 13.0, "starved")
     add("starved-2", 2_400, 96.0, 13.0, "starved")
@@ -254,6 +263,8 @@ def test_a_closed_loop_cell_is_judged_by_how_long_the_client_held_its_users(
         "calm-1": False,
         "calm-2": False,
         "calm-slow": True,
+        "calm-late": False,
+        "calm-late-lagged": True,
         "starved-1": True,
         "starved-2": True,
         "starved-failed": True,
@@ -274,8 +285,9 @@ def test_a_closed_loop_cell_is_judged_by_how_long_the_client_held_its_users(
     )
     assert not holds[("starved|c2|closed|stream", "w01")]["held"]
     assert ("old|c2|closed|stream", "w00") not in holds
-    assert q.lag_judged_by_own_bounds == 2  # "calm-1", "calm-2"
-    assert q.saturated_by_own_bounds == 4  # "calm-slow" and the starved cell's three
+    assert q.lag_judged_by_own_bounds == 3  # "calm-1", "calm-2", "calm-late-lagged"
+    # "calm-slow", "calm-late-lagged" and the starved cell's three
+    assert q.saturated_by_own_bounds == 5
     assert q.thresholds["held_share"] == HELD_SHARE_LIMIT
 
 
