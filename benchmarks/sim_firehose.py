@@ -15,28 +15,18 @@ import argparse
 import asyncio
 import json
 import os
-import select
-import shutil
 import subprocess
 import sys
 import time
 
 import psutil
+from speedkit import launch, stop_child, taskset  # this folder's
 
 
 def start_sim(core: int | None, protocol_args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
     cmd = [sys.executable, "-m", "calculet_sim.cli", "--port", "0", "--profile", "firehose"]
-    cmd += protocol_args
-    if core is not None and shutil.which("taskset"):
-        cmd = ["taskset", "-c", str(core), *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    line = proc.stdout.readline().decode() if ready else ""
-    if "listening" not in line:
-        proc.kill()
-        raise SystemExit(f"sim did not start: {line!r}")
-    return proc, int(line.strip().rsplit(":", 1)[1])
+    proc, url = launch([*taskset(core), *cmd, *protocol_args], "sim")
+    return proc, int(url.rsplit(":", 1)[1])
 
 
 async def one_stream(port: int, body: bytes, deadline: float, counts: list[int]) -> None:
@@ -91,8 +81,7 @@ def main() -> None:
         wall = time.monotonic() - t0
         sim_cpu1, my_cpu1 = sim_ps.cpu_times(), me.cpu_times()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_child(proc)
     sim_cpu = (sim_cpu1.user + sim_cpu1.system - sim_cpu0.user - sim_cpu0.system) / wall
     my_cpu = (my_cpu1.user + my_cpu1.system - my_cpu0.user - my_cpu0.system) / wall
     rate = events / wall

@@ -37,18 +37,39 @@ def taskset(core: int | None) -> list[str]:
 
 
 # ----------------------------------------------------------------- the server
+def launch(
+    cmd: list[str], what: str, timeout_s: float = 30.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server that prints `listening on http://HOST:PORT` first (the simulator,
+    the exact server); returns it and that URL, or exits naming `what` and its line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().decode() if ready else ""
+    if "listening on http://" not in line:
+        stop_child(proc)
+        raise SystemExit(f"{what} did not start: {line!r}")
+    return proc, line.strip().rsplit(" ", 1)[1]
+
+
+def stop_child(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a server `launch` started (killed after 10 s) and close its pipe."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 class ExactServer:
     def __init__(self, core: int | None, ttft_ms: float, itl_ms: float) -> None:
         cmd = [*taskset(core), sys.executable, str(SERVER), "--port", "0"]
         cmd += ["--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
-        line = self.proc.stdout.readline().decode() if ready else ""
-        if "listening on http://" not in line:
-            self.stop()
-            raise SystemExit(f"exact server did not start: {line!r}")
-        self.url = line.strip().rsplit(" ", 1)[1]
+        self.proc, self.url = launch(cmd, "exact server", 20)
         self.host, port = self.url.removeprefix("http://").rsplit(":", 1)
         self.port = int(port)
 
@@ -62,15 +83,7 @@ class ExactServer:
             conn.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        stop_child(self.proc)
 
 
 # ---------------------------------------------------------------- one point

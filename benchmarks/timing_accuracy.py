@@ -21,8 +21,6 @@ import argparse
 import http.client
 import json
 import os
-import select
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+from speedkit import launch, stop_child, taskset  # this folder's
 
 from calculet_load.measure.client import Outcome, Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
@@ -48,29 +47,10 @@ TARGET_P99_US = 1000.0
 def start_sim(core: int | None, args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     """A calculet-sim process on 127.0.0.1 (pinned to `core`); returns it and its URL."""
     cmd = [sys.executable, "-m", "calculet_sim.cli", "--host", "127.0.0.1", "--port", "0"]
-    cmd += args
-    if core is not None and shutil.which("taskset"):
-        cmd = ["taskset", "-c", str(core), *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    line = proc.stdout.readline().decode() if ready else ""
-    if "listening on http://" not in line:
-        proc.kill()
-        raise SystemExit(f"sim did not start: {line!r}")
-    return proc, line.strip().rsplit(" ", 1)[1]
+    return launch([*taskset(core), *cmd, *args], "sim")
 
 
-def stop_sim(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+stop_sim = stop_child
 
 
 class TraceReader:
