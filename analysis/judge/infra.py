@@ -28,6 +28,7 @@ from analysis.judge.evidence import Evidence, not_evaluated, verdict_for
 from analysis.judge.rules import InfrastructureRules
 from analysis.judge.verdict import RuleVerdict, Status
 from analysis.stats.quantiles import quantile
+from analysis.tables.quality import QualityReport
 
 __all__ = ["check_infrastructure"]
 
@@ -130,18 +131,14 @@ def _fraction(
 SATURATED_NAMED = 3
 
 
-def _saturated_seen(
-    samples: tuple[dict[str, Any], ...],
-    judged: int,
-    spared: int = 0,
-    own: int = 0,
-    holds: tuple[dict[str, Any], ...] = (),
-) -> str:
+def _saturated_seen(q: QualityReport) -> str:
     """What the self-watch saw, for the client_saturation verdict: how many of its judged
     samples were saturated, and the worst (they come longest loop lag first) with their
     lag and CPU; then the records judged by their own bounds (analysis.tables.saturation:
     a kernel-stamped record under a loop-lag-only sample, a record whose own bounds
     passed the limit) and the closed-loop cells the client held."""
+    samples, judged = q.saturated_samples, q.selfwatch_samples - q.selfwatch_warmup_samples
+    spared, own = q.lag_judged_by_own_bounds, q.saturated_by_own_bounds
     text = ""
     if samples:
         worst = samples[:SATURATED_NAMED]
@@ -162,7 +159,7 @@ def _saturated_seen(
             f"; {own} records flagged by their own bounds (send lag, first-token late bound "
             "or start to sent) or their closed-loop cell's hold"
         )
-    if held := [h for h in holds if h["held"]]:
+    if held := [h for h in q.closed_loop_holds if h["held"]]:
         named = ", ".join(
             f"{h['cell']} on {h['worker']} (users held {h['mean_hold_ms']:.1f} ms a request, "
             f"{h['held_share']:.1%} of their time)"
@@ -234,13 +231,7 @@ def check_infrastructure(
             "sent records ran while the client was saturated",
             "the load generator was the bottleneck; add workers or lower the load, then rerun",
             no_watch,
-            _saturated_seen(
-                q.saturated_samples,
-                q.selfwatch_samples - q.selfwatch_warmup_samples,
-                q.lag_judged_by_own_bounds,
-                q.saturated_by_own_bounds,
-                q.closed_loop_holds,
-            ),
+            _saturated_seen(q),
         ),
         _fraction(
             f"{prefix}clock_complete",

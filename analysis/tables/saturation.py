@@ -85,14 +85,14 @@ from analysis.tables.load import RunData
 __all__ = ["Saturation", "judge_saturation", "warmup_samples"]
 
 
-def _own_bounds(d: pa.Table, limit_ms: float, lagging: BoolArray) -> tuple[BoolArray, BoolArray]:
+def _own_bounds(d: pa.Table, limit_ms: float, own: BoolArray) -> tuple[BoolArray, BoolArray]:
     """(which open-loop requests are judged by their own bounds: the kernel's stamps and
-    an open loop's schedule, which of those passed `limit_ms`: the send lag, start to
-    sent, or the first token's late bound under a sample that saw loop lag)."""
+    an open loop's schedule, which of those passed `limit_ms`: the send lag, or `own`,
+    the bounds every kernel-stamped request has)."""
     lag = floats(d, "ext.send_lag_ms")
     judged = _kernel_stamped(d) & ~np.isnan(lag)
-    over = _direct(d, limit_ms) | (~bools(d, "ext.stale_retry") & (lag > limit_ms))
-    return judged, judged & (over | (lagging & _late(d, limit_ms)))
+    over = own | (~bools(d, "ext.stale_retry") & (lag > limit_ms))
+    return judged, judged & over
 
 
 def _kernel_stamped(d: pa.Table) -> BoolArray:
@@ -125,7 +125,7 @@ def _late(d: pa.Table, limit_ms: float) -> BoolArray:
 
 
 def _closed_loop_holds(
-    d: pa.Table, limit_ms: float, share_limit: float, lagging: BoolArray
+    d: pa.Table, limit_ms: float, share_limit: float, own: BoolArray
 ) -> tuple[BoolArray, BoolArray, tuple[dict[str, Any], ...]]:
     """(which closed-loop requests are judged by their cell's hold and their own bounds,
     which of those are flagged, each judged cell and worker's hold, most held first).
@@ -137,8 +137,8 @@ def _closed_loop_holds(
     by which the streams the server had fell short of the cell's (Little's law). The
     cell and worker is held when both pass: the mean over `limit_ms` (the bound the
     stamps have) and the share over `share_limit`. Every closed-loop request of it is
-    then flagged; so is one whose start to sent passed `limit_ms`, or its first token's
-    late bound under a sample that saw loop lag (`lagging`)."""
+    then flagged; so is one whose own bounds passed (`own`: start to sent, or the first
+    token's late bound under a sample that saw loop lag)."""
     n = d.num_rows
     judged = np.zeros(n, dtype=bool)
     over = np.zeros(n, dtype=bool)
@@ -172,7 +172,7 @@ def _closed_loop_holds(
                 "held": flagged,
             }
         )
-    over |= judged & (_direct(d, limit_ms) | (lagging & _late(d, limit_ms)))
+    over |= judged & own
     holds.sort(key=lambda h: -h["held_share"])
     return judged, over, tuple(holds)
 
@@ -242,8 +242,11 @@ def judge_saturation(
         for flags, b in ((by_cpu, busy[order]), (by_lag, lagging[order])):
             cum = np.concatenate(([0], np.cumsum(b)))
             flags[req] = covered & (cum[hi + 1] - cum[lo_c] > 0)
-    judged, own = _own_bounds(d, lag_ms, by_lag)
-    closed, held, holds = _closed_loop_holds(d, lag_ms, held_share, by_lag)
+    # the bounds every kernel-stamped request has: start to sent, and the late bound
+    # where a sample saw loop lag
+    bounds = _direct(d, lag_ms) | (by_lag & _late(d, lag_ms))
+    judged, own = _own_bounds(d, lag_ms, bounds)
+    closed, held, holds = _closed_loop_holds(d, lag_ms, held_share, bounds)
     judged |= closed
     own |= held
     return Saturation(
