@@ -506,14 +506,17 @@ def excluded_section(rv: RunView) -> Section:
             counts[(str(labels[i]), reason)] += 1
     q = (rv.verdict or {}).get("quality") or {}
     thr = q.get("thresholds") or {}
+    lag, share = thr.get("saturated_lag_ms", "?"), thr.get("held_share")
+    share_text = f"{share:.0%}" if isinstance(share, int | float) else "?"
     s.intro.append(
         "Outliers are never removed for being outliers: only the pre-registered reasons below "
         "take a record out of the measured set (warmup, dropped arrival, cut at run stop, "
         "incomplete client clock, declared network break, client saturated: CPU > "
-        f"{thr.get('saturated_cpu_percent', '?')}% of a core, or loop lag > "
-        f"{thr.get('saturated_lag_ms', '?')} ms; an open-loop request stamped by the kernel "
-        "is judged instead by its own bounds over that: send lag, first-token late bound, "
-        "start to sent)."
+        f"{thr.get('saturated_cpu_percent', '?')}% of a core, or loop lag > {lag} ms; a "
+        "request stamped by the kernel is judged instead by its own bounds over that (send "
+        "lag, start to sent, and its first-token late bound under loop lag), and a "
+        f"closed-loop one also by its cell's hold: its users waited for the client over "
+        f"{lag} ms a request and over {share_text} of their time)."
     )
     if q.get("workers_without_selfwatch"):
         s.notes.append(
