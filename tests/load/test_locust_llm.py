@@ -181,6 +181,7 @@ def test_processes_and_a_locust_conf_with_our_options(tmp_path: Path) -> None:
     sim = SimProcess(tmp_path, "--time-scale", "0.1")
     try:
         run_dir, prefix = tmp_path / "run", tmp_path / "stats"
+        master = free_port()
         conf = tmp_path / "locust.conf"
         conf.write_text(
             "\n".join([
@@ -190,6 +191,8 @@ def test_processes_and_a_locust_conf_with_our_options(tmp_path: Path) -> None:
                 # calculet's own options, as in docs/locust.md
                 "mix = mixed-70-20-10", "prompt-tokens = 64", "max-tokens = 8",
                 f"run-dir = {run_dir}", "seed = 3",
+                # not Locust's default 5557: the other --processes test may run beside it
+                f"master-bind-port = {master}", f"master-port = {master}",
             ]) + "\n"
         )  # fmt: skip
         # a master, two worker processes and the simulator on this machine's 2 cores: one
@@ -234,13 +237,15 @@ def _requests_done(port: int) -> int:
 
 def test_reset_stats_resets_the_llm_figures_on_master_and_workers(tmp_path: Path) -> None:
     sim = SimProcess(tmp_path, "--time-scale", "0.1")
-    port = free_port()
+    port, master = free_port(), free_port()
     run_dir, prefix = tmp_path / "run", tmp_path / "stats"
     cmd = [
         sys.executable, "-m", "locust", "-f", LOCUSTFILE, "-H", sim.url, "--processes", "2",
         "--web-host", "127.0.0.1", "--web-port", str(port), "--autostart", "--autoquit", "1",
         "-u", "4", "-r", "4", "-t", "12s", "--max-tokens", "8", "--run-dir", str(run_dir),
         "--csv", str(prefix),
+        # not Locust's default 5557: the other --processes test may run beside it
+        "--master-bind-port", str(master), "--master-port", str(master),
     ]  # fmt: skip
     log = tmp_path / "locust.log"
     with open(log, "wb") as out:
