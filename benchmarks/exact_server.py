@@ -3,10 +3,13 @@
 Each streamed request gets its first token `--ttft-ms` after the request was read, then
 one token every `--itl-ms` (deadlines from the first one, so lateness never drifts), as
 many as the request's `max_tokens`, each token one word (" w") in its own SSE event and
-its own HTTP chunk. It records its own truth per request: the monotonic instant the
-request was read, and the instant right after each token's write returned (same clock as
-a client on the same host). `GET /truth` returns the records of the requests completed
-since the last call (and forgets them): that is what a client's figures are compared to.
+its own HTTP chunk. With `--burst N` each deadline sends the next N tokens in one write
+(one chunk each), as vLLM's multi-step scheduling and SGLang's stream interval stream:
+the first N arrive together after the TTFT. It records its own truth per request: the
+monotonic instant the request was read, and the instant right after each token's write
+returned (same clock as a client on the same host). `GET /truth` returns the records of
+the requests completed since the last call (and forgets them): that is what a client's
+figures are compared to.
 
 HTTP/1.1 keep-alive, chunked responses. Also: `GET /health` ({"status": "ok"}),
 `GET /v1/models`, `POST /tokenize` (one id per word), `GET /count` (requests received),
@@ -14,7 +17,7 @@ so calculet-load and the peers start against it as against vLLM or calculet-sim.
 `continuous_usage_stats` every chunk carries usage (vLLM's extension), with
 `include_usage` a final usage chunk.
 
-Usage: python benchmarks/exact_server.py [--port 0] [--ttft-ms 50] [--itl-ms 10]
+Usage: python benchmarks/exact_server.py [--port 0] [--ttft-ms 50] [--itl-ms 10] [--burst 1]
 prints `exact-server listening on http://127.0.0.1:PORT` when ready.
 """
 
@@ -45,8 +48,8 @@ class Stream:
 
 
 class Server:
-    def __init__(self, ttft_ns: int, itl_ns: int) -> None:
-        self.ttft_ns, self.itl_ns = ttft_ns, itl_ns
+    def __init__(self, ttft_ns: int, itl_ns: int, burst: int = 1) -> None:
+        self.ttft_ns, self.itl_ns, self.burst = ttft_ns, itl_ns, burst
         self.heap: list[tuple[int, int, Stream]] = []
         self.seq = itertools.count()
         self.done: list[list[Any]] = []
@@ -94,7 +97,14 @@ class Server:
         self._arm()
 
     def _send(self, s: Stream) -> None:
-        k = len(s.sends) + 1
+        """The next `burst` tokens (fewer at the end) in one write."""
+        count = min(self.burst, s.n - len(s.sends))
+        wire = b"".join(self._token(s, len(s.sends) + 1 + i) for i in range(count))
+        s.conn.transport.write(wire)
+        s.sends.extend([time.monotonic_ns()] * count)
+
+    def _token(self, s: Stream, k: int) -> bytes:
+        """Token k's chunks (the last token's with the stream's end)."""
         last = k == s.n
         # the event's JSON from a template (json.dumps per token would make this server,
         # not the client, the bottleneck at 640 req/s)
@@ -135,8 +145,7 @@ class Server:
         wire = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
         if last:
             wire += b"0\r\n\r\n"
-        s.conn.transport.write(wire)
-        s.sends.append(time.monotonic_ns())
+        return wire
 
     def finish(self, s: Stream) -> None:
         self.done.append([s.id, s.recv, s.sends, s.n])
@@ -234,9 +243,9 @@ class Conn(asyncio.Protocol):
             self.transport.write(_response("404 Not Found", b'{"error":"not found"}'))
 
 
-async def serve(host: str, port: int, ttft_ms: float, itl_ms: float) -> None:
+async def serve(host: str, port: int, ttft_ms: float, itl_ms: float, burst: int = 1) -> None:
     loop = asyncio.get_running_loop()
-    server = Server(int(ttft_ms * 1e6), int(itl_ms * 1e6))
+    server = Server(int(ttft_ms * 1e6), int(itl_ms * 1e6), burst)
     srv = await loop.create_server(lambda: Conn(server), host, port, backlog=4096)
     bound = srv.sockets[0].getsockname()[1]
     print(f"exact-server listening on http://{host}:{bound}", flush=True)
@@ -250,8 +259,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ttft-ms", type=float, default=50.0)
     ap.add_argument("--itl-ms", type=float, default=10.0)
+    ap.add_argument("--burst", type=int, default=1, help="tokens per write (default 1)")
     ap.add_argument("--no-uvloop", action="store_true")
     args = ap.parse_args()
+    if args.burst < 1:
+        ap.error(f"--burst {args.burst}: expected 1 or more tokens per write")
     run: Any = asyncio.run
     if not args.no_uvloop:
         try:
@@ -260,7 +272,7 @@ def main() -> None:
             run = uvloop.run
         except ImportError:
             pass
-    run(serve(args.host, args.port, args.ttft_ms, args.itl_ms))
+    run(serve(args.host, args.port, args.ttft_ms, args.itl_ms, args.burst))
 
 
 if __name__ == "__main__":

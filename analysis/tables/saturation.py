@@ -39,8 +39,8 @@ after the read before. A server that writes two events back to back after its pr
 puts them in one read however soon the client reads, and the bound is then the prefill
 (7.3 ms in one fresh clone's crosstalk cell of a quiet serial test) while the stamp is
 exact. So a late bound over the limit flags a request only under a self-watch sample
-that saw the client's loop lag over it (the Locust run's self-check reads the bound's
-P99 per cell, against its 10-ms budget).
+that saw the client's loop lag over it (the Locust run's self-check counts the bound in
+its cell's P99 the same way: calculet_load.locust.accuracy).
 
 A closed-loop request is judged by its cell's hold as well: how soon its user sends the
 next one is the client's too, and a client that could not keep its users' requests

@@ -2,15 +2,22 @@
 
 Three figures per cell tell how far off a process's timings can be, from its own records:
 
-    stamp_late_bound_ms
+    late_bound_under_lag_ms
                    with kernel stamps (calculet_load.measure.client), the most a
-                   request's first-token stamp (TTFT) can be late: token events that
-                   arrived while the client's loop was busy come out of one read and
-                   share the stamp of its last bytes; the first arrived after the previous
-                   read returned (null with read stamps: over TLS the analysis's
-                   saturation check stands alone). Per request, not per event: one late
-                   pair among 64 tokens would flag most requests of a run, while the ITL
-                   P99 it moves is over every token (analysis: join.coalesced)
+                   request's first-token stamp (TTFT) can be late (ext.stamp_late_bound_ms:
+                   its first token shared a read with later bytes, and arrived after the
+                   read before returned), counted where a self-watch sample covering the
+                   request saw this process's loop lag over SATURATED_LAG_MS, and as 0
+                   elsewhere. The bound is an upper bound, not a delay: a server that
+                   writes tokens in bursts (vLLM's multi-step scheduling, SGLang's stream
+                   interval, the simulator's batched steps) puts its first two in one
+                   read however soon the client reads, and the bound is then the prefill
+                   while the stamp is exact; only a client too busy to read makes it a
+                   delay. The analysis judges it the same way
+                   (analysis.tables.saturation). Null with read stamps: over TLS the
+                   analysis's saturation check stands alone. Per request, not per event:
+                   one late pair among 64 tokens would flag most requests of a run, while
+                   the ITL P99 it moves is over every token (analysis: join.coalesced)
     send_lag_ms    open loop: actual send − the schedule's instant (a late send shifts
                    the arrival law, and hides queueing from latency-from-send); not of
                    a stale retry, whose first send kept the schedule
@@ -36,6 +43,7 @@ server's. Add worker processes or lower the rate (docs/measurement.md says how t
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -43,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from calculet_load.errors import ExitCode
 from calculet_load.locust.livestats import LogHistogram
 from calculet_load.locust.llmstats import cell_name
+from calculet_load.schema.selfwatch import SATURATED_LAG_MS
 
 if TYPE_CHECKING:
     from locust.env import Environment
@@ -51,16 +60,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calculet_load")
 
-FIGURES = ("stamp_late_bound_ms", "send_lag_ms", "start_to_sent_ms")
+FIGURES = ("late_bound_under_lag_ms", "send_lag_ms", "start_to_sent_ms")
 QUANTILE = 0.99
 BUDGET_MS = 10.0
+LABELS = {
+    "late_bound_under_lag_ms": "first-token late bound under loop lag",
+    "send_lag_ms": "send lag",
+    "start_to_sent_ms": "start to sent",
+}
+# the lagging samples' intervals kept for requests that end after them (a request's span
+# is seconds at most; a run whose loop lags this often is flagged many times over)
+LAGGING_KEPT = 4096
+
+
+class _Late:
+    """A request whose first-token late bound waits for the samples that cover it."""
+
+    __slots__ = ("bound_ms", "cell", "end", "lagged", "t0")
+
+    def __init__(self, cell: str, t0: int, end: int, bound_ms: float, lagged: bool) -> None:
+        self.cell, self.t0, self.end, self.bound_ms, self.lagged = cell, t0, end, bound_ms, lagged
 
 
 class Accuracy:
-    """Per cell: histograms of the three figures over the whole run (never reset)."""
+    """Per cell: histograms of the three figures over the whole run (never reset).
 
-    def __init__(self) -> None:
+    The late bound is judged against this process's self-watch samples
+    (`observe_sample`), as the analysis judges it: sample k covers (sample k−1, sample k]
+    of the process's monotonic clock, and a request [t0, its last stamp] under any sample
+    that saw loop lag over `lag_limit_ms` counts its bound; the rest count 0. A request
+    that ends after the last sample waits for the next one (`_waiting`); at the end of
+    the run it is judged by the samples seen (`to_wire`)."""
+
+    def __init__(self, lag_limit_ms: float = SATURATED_LAG_MS) -> None:
         self.cells: dict[str, dict[str, LogHistogram]] = {}
+        self.lag_limit_ms = lag_limit_ms
+        self._since: int | None = None  # the last sample's instant: the next one's start
+        self._lagging: collections.deque[tuple[int, int]] = collections.deque(
+            maxlen=LAGGING_KEPT
+        )  # the lagging samples' intervals (start, end], oldest first
+        self._waiting: list[_Late] = []
 
     def _cell(self, name: str) -> dict[str, LogHistogram]:
         hists = self.cells.get(name)
@@ -73,15 +112,32 @@ class Accuracy:
         e = record.ext
         if e.dropped:
             return
-        hists = self._cell(cell_name(record))
+        cell = cell_name(record)
+        hists = self._cell(cell)
+        c = record.client_ns
+        t0 = c.request_start
         if e.stamp_late_bound_ms is not None:
-            hists["stamp_late_bound_ms"].add(max(e.stamp_late_bound_ms, 0.0))
+            bound = max(e.stamp_late_bound_ms, 0.0)
+            if bound == 0.0 or t0 is None:
+                hists["late_bound_under_lag_ms"].add(0.0)
+            else:
+                end = max(
+                    (t for t in (c.headers_sent, c.response_headers, c.first_event,
+                                 c.first_token, c.last_token, c.response_end)
+                     if t is not None),
+                    default=t0,
+                )  # fmt: skip
+                late = _Late(cell, t0, max(end, t0), bound, self._lagged(t0, end))
+                if late.lagged or (self._since is not None and late.end <= self._since):
+                    self._settle(late)
+                else:
+                    self._waiting.append(late)
         # A stale retry (its kept-alive connection was closed or reset under it) went out
         # on schedule the first time; timed from the retry, its lag is the dead
         # connection's wait (a server that restarted), not the client's.
         if e.send_lag_ms is not None and not e.stale_retry:
             hists["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
-        t0, t1 = record.client_ns.request_start, record.client_ns.headers_sent
+        t1 = c.headers_sent
         if e.stale_retry or t0 is None or t1 is None:
             return
         if e.connection_reused:
@@ -89,7 +145,43 @@ class Accuracy:
         elif e.connect_ms is not None:  # records written before it had no connect_ms
             hists["start_to_sent_ms"].add(max((t1 - t0) / 1e6 - e.connect_ms, 0.0))
 
+    def observe_sample(self, mono_ns: int, lag_ms: float, warmup: bool = False) -> None:
+        """A self-watch sample of this process: it covers (the sample before, mono_ns],
+        the first one all before it (a warm-up sample is not judged: nothing is sent
+        before the warm-up ends)."""
+        start, self._since = self._since, mono_ns
+        lagging = not warmup and lag_ms > self.lag_limit_ms
+        if lagging:
+            # the first sample covers everything before it
+            self._lagging.append((start if start is not None else -1, mono_ns))
+        keep = []
+        for late in self._waiting:
+            if lagging and late.t0 <= mono_ns and (start is None or late.end > start):
+                late.lagged = True
+            if late.lagged or late.end <= mono_ns:
+                self._settle(late)
+            else:
+                keep.append(late)
+        self._waiting = keep
+
+    def _lagged(self, t0: int, end: int) -> bool:
+        """Whether a lagging sample seen so far covers part of [t0, end]."""
+        for start, at in reversed(self._lagging):
+            if at < t0:
+                return False  # the older ones end before it too
+            if end > start:
+                return True
+        return False
+
+    def _settle(self, late: _Late) -> None:
+        self._cell(late.cell)["late_bound_under_lag_ms"].add(late.bound_ms if late.lagged else 0.0)
+
     def to_wire(self) -> dict[str, Any]:
+        """The histograms, the requests still waiting judged by the samples seen (those
+        after the last sample: no sample saw lag over them)."""
+        for late in self._waiting:
+            self._settle(late)
+        self._waiting = []
         return {
             cell: {f: h.to_wire() for f, h in hists.items() if h.count}
             for cell, hists in self.cells.items()
@@ -114,7 +206,7 @@ class Accuracy:
             for f, h in self.cells[cell].items():
                 p = h.quantile(QUANTILE) if h.count else None
                 if p is not None and p > budget_ms:
-                    over.append(f"{f.removesuffix('_ms').replace('_', ' ')} P99 {p:.1f} ms")
+                    over.append(f"{LABELS[f]} P99 {p:.1f} ms")
             if over:
                 out.append(f"{cell}: {', '.join(over)}")
         return out

@@ -341,6 +341,7 @@ class Worker:
         return rounds_record(self.rtt_rounds)
 
     def _on_selfwatch(self, row: Any) -> None:
+        self.accuracy.observe_sample(row.mono_ns, row.loop_lag_ms, bool(row.warmup))
         for s in self._live_tables():
             s.observe("loop_lag", row.loop_lag_ms)
         if not row.warmup:

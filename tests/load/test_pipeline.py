@@ -51,6 +51,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
+from tests.load.starver import STARVER
 from tests.load.test_locust_traces import assert_joined_records_filled
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
@@ -251,34 +252,6 @@ def test_a_calbin_hash_mismatch_exits_2(
 
 
 # ------------------------------------------------------------------ 4 starved client
-# Stops process argv[1] for 100 ms, lets it run 10 ms, until killed. At real-time
-# priority where the process may take it (root, CAP_SYS_NICE), so that its wake-ups are
-# on time however loaded the machine is; it sleeps all but microseconds of each cycle.
-STARVER = """
-import os, signal, sys, time
-pid = int(sys.argv[1])
-try:
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-except OSError:
-    pass
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-cycles = 0
-try:
-    while True:
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.1)
-        os.kill(pid, signal.SIGCONT)
-        cycles += 1
-        time.sleep(0.01)
-except ProcessLookupError:
-    pass
-finally:
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
-    print(f"{cycles} cycles at policy {os.sched_getscheduler(0)}", flush=True)
-"""
 
 
 def test_a_client_starved_of_cpu_is_infrastructure_invalid_exit_3(
