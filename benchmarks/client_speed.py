@@ -38,6 +38,8 @@ Usage:
       --io-engine gevent,thread                                 # both engines, the reference
   .venv/bin/python benchmarks/client_speed.py --clients reference,floor,calculet \
       --rates 20,80,320 --concurrency 256                       # with the Python read floor
+  .venv/bin/python benchmarks/client_speed.py --rates 20,80,320 --concurrency 64 --burst 2
+                                      # a server writing two tokens at a time (the verdict)
 """
 
 from __future__ import annotations
@@ -529,6 +531,13 @@ def main() -> None:
     ap.add_argument("--ttft-ms", type=float, default=50.0)
     ap.add_argument("--itl-ms", type=float, default=10.0)
     ap.add_argument(
+        "--burst",
+        type=int,
+        default=1,
+        help="tokens the server writes at a time (2: as vLLM's multi-step scheduling); the "
+        "first two then share a read, their late bound is the TTFT, their stamps exact",
+    )
+    ap.add_argument(
         "--baseline-tree",
         help="also run calculet-load from this source tree as client 'baseline' (before/after)",
     )
@@ -544,6 +553,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rates, args.concurrency, args.seconds = "20,160", "16", min(args.seconds, 8.0)
+    if args.burst < 1:
+        raise SystemExit(f"--burst {args.burst}: expected 1 or more tokens a write")
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
@@ -574,6 +585,7 @@ def main() -> None:
         f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; pinned: "
         f"{'server core 1, client core 0' if pin else 'no'}; {args.seconds:g} s per point; "
         f"truth TTFT {args.ttft_ms:g} ms, a token every {args.itl_ms:g} ms, 64 tokens"
+        + (f", {args.burst} a write (--burst)" if args.burst > 1 else "")
     )
     # what calculet-load's processes import from this tree, in this environment
     print(f"calculet-load's compiled modules (calculet_load.measure.native): {native.STATE}")
@@ -585,7 +597,7 @@ def main() -> None:
     print(line)
     print(HEADER, flush=True)
     points: list[Point] = []
-    server = ExactServer(server_core, args.ttft_ms, args.itl_ms)
+    server = ExactServer(server_core, args.ttft_ms, args.itl_ms, args.burst)
     try:
         with tempfile.TemporaryDirectory(prefix="client-speed-") as name:
             tmp = Path(name)

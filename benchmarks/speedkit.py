@@ -66,9 +66,9 @@ def stop_child(proc: subprocess.Popen[bytes]) -> None:
 
 
 class ExactServer:
-    def __init__(self, core: int | None, ttft_ms: float, itl_ms: float) -> None:
+    def __init__(self, core: int | None, ttft_ms: float, itl_ms: float, burst: int = 1) -> None:
         cmd = [*taskset(core), sys.executable, str(SERVER), "--port", "0"]
-        cmd += ["--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)]
+        cmd += ["--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--burst", str(burst)]
         self.proc, self.url = launch(cmd, "exact server", 20)
         self.host, port = self.url.removeprefix("http://").rsplit(":", 1)
         self.port = int(port)
