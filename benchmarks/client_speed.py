@@ -18,8 +18,9 @@ records its own send times. Each client runs alone, pinned to core 0:
   Python with the kernel's stamp of each read (`ref_client.py --python-reads`), as
   calculet-load reads: the CPU any Python read loop with kernel stamps pays before it
   parses a byte, as a multiple of the reference's in the same run.
-- `--peers`: inference-perf in its own venv (installed on first use under
-  `--peers-dir`), when it installs.
+- `--peers`: vLLM 0.7.3's `benchmark_serving.py` (`vllm-bench`) and inference-perf
+  0.7.0, each in its own venv (installed on first use under `--peers-dir`: benchmarks/
+  peers.py), when they install; inference-perf needs `--peers-python` (>= 3.12).
 
 Per point it prints: TTFT, per-chunk ITL and TPOT error at p50/p99 (the client's figure
 minus the server's truth at the same percentile, ms), the rate the server counted, the
@@ -51,12 +52,20 @@ import os
 import subprocess
 import sys
 import tempfile
-import venv
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from peers import (
+    INFERENCE_PERF,
+    VLLM_BENCH_PACKAGES,
+    peer_python,
+    run_inference_perf,
+    run_vllm_bench,
+    tokenizer_dir,
+    vllm_bench_script,
+)
 from speedkit import CpuWindow, ExactServer, Point, errors, quantiles, taskset, truth_figures
 
 from calculet_load.measure import native
@@ -301,87 +310,6 @@ def user_turnaround(rows: list[list[Any]]) -> tuple[float, float, float] | None:
     return p50, p99, float(np.mean(gaps))
 
 
-# ------------------------------------------------------------------- peers
-INFERENCE_PERF = "inference-perf==0.7.0"
-
-
-def peer_python(peers_dir: Path, name: str, packages: list[str], base: str | None) -> Path | None:
-    """A venv of its own under `peers_dir` with `packages` (installed once), made by the
-    interpreter `base` (inference-perf needs Python >= 3.12) or this one."""
-    home = peers_dir / name
-    python = home / "bin" / "python"
-    stamp = home / ".installed"
-    if stamp.exists():
-        return python
-    if base:
-        subprocess.run([base, "-m", "venv", "--clear", str(home)], check=True)
-    else:
-        venv.create(home, with_pip=True, clear=True)
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", *packages], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        print(f"  {name}: pip install failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
-        return None
-    stamp.write_text(" ".join(packages))
-    return python
-
-
-def run_inference_perf(
-    server: ExactServer, p: Point, seconds: float, tmp: Path, core: int | None, python: Path
-) -> None:
-    """inference-perf's own run with the same load; its per-request lifecycle metrics are
-    read back (TTFT, ITL, TPOT as it reports them)."""
-    out = tmp / f"ip-{p.mode}-{p.level:g}"
-    load: dict[str, Any]
-    if p.mode == "poisson":
-        load = {"type": "poisson", "stages": [{"rate": p.level, "duration": int(seconds)}]}
-    else:
-        n = int(p.level * seconds / 0.7)
-        load = {
-            "type": "concurrent",
-            "stages": [{"num_requests": n, "concurrency_level": int(p.level)}],
-        }
-    config = {
-        "load": load,
-        "api": {"type": "completion", "streaming": True},
-        "server": {"type": "vllm", "model_name": "exact", "base_url": server.url,
-                   "ignore_eos": True},
-        "data": {"type": "random", "input_distribution": {"min": 128, "max": 128, "mean": 128,
-                 "std_dev": 0}, "output_distribution": {"min": 64, "max": 64, "mean": 64,
-                 "std_dev": 0}},
-        "report": {"request_lifecycle": {"summary": True, "per_stage": False,
-                   "per_request": True}},
-        "storage": {"local_storage": {"path": str(out)}},
-    }  # fmt: skip
-    cfg = tmp / f"ip-{p.mode}-{p.level:g}.yaml"
-    cfg.write_text(json.dumps(config))
-    window = CpuWindow(server)
-    cmd = [*taskset(core), str(python.parent / "inference-perf"), "--config_file", str(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
-    window.watch(proc, seconds)
-    _, err = proc.communicate(timeout=seconds + 300)
-    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
-    truth = server.truth()
-    p.requests = len(truth)
-    ttft, itl, tpot = [], [], []
-    for f in sorted(out.rglob("per_request_lifecycle_metrics.json")):
-        for r in json.loads(f.read_text()):
-            m = r.get("info") or {}
-            times = m.get("output_token_times") or []
-            start = r.get("start_time")
-            if not times or start is None:
-                p.failed += 1
-                continue
-            ttft.append((times[0] - start) * 1e3)
-            itl.extend(np.diff(np.asarray(times, dtype=float)) * 1e3)
-            if len(times) > 1:
-                tpot.append((times[-1] - times[0]) * 1e3 / (len(times) - 1))
-    if not ttft:
-        p.note = f"no per-request metrics read: {err.decode(errors='replace')[-300:]}"
-    p.err = errors({"ttft": ttft, "itl": itl, "tpot": tpot}, truth_figures(truth))
-
-
 # ------------------------------------------------------------------ report
 def row(p: Point) -> str:
     e = p.err
@@ -525,7 +453,9 @@ def main() -> None:
                     help="closed-loop levels ('' for none)")  # fmt: skip
     ap.add_argument("--clients", default="reference,calculet", help="which clients, in order")
     ap.add_argument("--quick", action="store_true", help="rates 20,160, C=16, 8 s (smoke)")
-    ap.add_argument("--peers", action="store_true", help="also inference-perf (own venv)")
+    ap.add_argument(
+        "--peers", action="store_true", help="also vllm-bench and inference-perf (own venvs)"
+    )
     ap.add_argument("--peers-dir", default=str(Path.home() / ".cache" / "calculet-load-peers"))
     ap.add_argument("--peers-python", help="the interpreter of the peers' venvs (>= 3.12)")
     ap.add_argument("--ttft-ms", type=float, default=50.0)
@@ -565,7 +495,7 @@ def main() -> None:
         at = clients.index("calculet")
         clients[at : at + 1] = [engine_client(e) for e in engines]
     if args.peers:
-        clients.append("inference-perf")
+        clients += ["vllm-bench", "inference-perf"]
     if args.baseline_tree:
         ours_at = [i for i, c in enumerate(clients) if c.startswith("calculet")]
         clients.insert(ours_at[0] if ours_at else 0, "baseline")
@@ -573,13 +503,19 @@ def main() -> None:
     client_core, server_core = (0, 1) if pin else (None, None)
     if pin:
         os.sched_setaffinity(0, {1})  # this driver mostly sleeps: beside the server
-    peer_py: Path | None = None
+    peers_dir = Path(args.peers_dir)
+    vllm_py = vllm_script = ip_py = tokenizer = None
+    if "vllm-bench" in clients:
+        vllm_py = peer_python(peers_dir, "vllm-bench", VLLM_BENCH_PACKAGES, None)
+        vllm_script = vllm_bench_script(peers_dir)
+        if vllm_py is None or vllm_script is None:
+            clients.remove("vllm-bench")
     if "inference-perf" in clients:
-        peer_py = peer_python(
-            Path(args.peers_dir), "inference-perf", [INFERENCE_PERF], args.peers_python
-        )
-        if peer_py is None:
+        ip_py = peer_python(peers_dir, "inference-perf", [INFERENCE_PERF], args.peers_python)
+        if ip_py is None:
             clients.remove("inference-perf")
+    if vllm_py is not None or ip_py is not None:
+        tokenizer = tokenizer_dir(peers_dir, vllm_py or ip_py)  # type: ignore[arg-type]
     print(
         f"client_speed: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
         f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; pinned: "
@@ -617,8 +553,15 @@ def main() -> None:
                         run_reference(server, p, args.seconds, tmp, client_core)
                     elif client == "floor":
                         run_reference(server, p, args.seconds, tmp, client_core, True)
-                    elif client == "inference-perf" and peer_py is not None:
-                        run_inference_perf(server, p, args.seconds, tmp, client_core, peer_py)
+                    elif client == "vllm-bench" and vllm_py and vllm_script and tokenizer:
+                        run_vllm_bench(
+                            server, p, args.seconds, tmp, client_core, vllm_py, vllm_script,
+                            tokenizer,
+                        )  # fmt: skip
+                    elif client == "inference-perf" and ip_py is not None and tokenizer:
+                        run_inference_perf(
+                            server, p, args.seconds, tmp, client_core, ip_py, tokenizer
+                        )
                     else:
                         raise SystemExit(f"--clients: unknown client {client!r}")
                     if client == "reference":
