@@ -61,7 +61,12 @@ def peer_python(peers_dir: Path, name: str, packages: list[str], base: str | Non
     if stamp.exists():
         return python
     if base:
-        subprocess.run([base, "-m", "venv", "--clear", str(home)], check=True)
+        made = subprocess.run(
+            [base, "-m", "venv", "--clear", str(home)], capture_output=True, text=True
+        )
+        if made.returncode != 0:
+            print(f"  {name}: {base} -m venv failed: {made.stderr.strip()[-300:]}", file=sys.stderr)
+            return None
     else:
         venv.create(home, with_pip=True, clear=True)
     done = subprocess.run(
