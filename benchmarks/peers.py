@@ -121,6 +121,21 @@ def vllm_bench_script(peers_dir: Path) -> Path | None:
     return script
 
 
+def _run(
+    server: ExactServer, p: Point, seconds: float, cmd: list[str], cwd: Path
+) -> tuple[list[list[Any]], int, str]:
+    """Run a peer's command to its end, its CPU and the server's count over the steady
+    window into `p`: (the server's truth, its exit code, its stderr's tail)."""
+    window = CpuWindow(server)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
+    window.watch(proc, seconds)
+    _, err = proc.communicate(timeout=seconds + 300)
+    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
+    truth = server.truth()
+    p.requests = len(truth)
+    return truth, proc.returncode, err.decode(errors="replace")[-300:]
+
+
 def run_vllm_bench(
     server: ExactServer,
     p: Point,
@@ -146,18 +161,10 @@ def run_vllm_bench(
     cmd += ["--tokenizer", str(tokenizer), "--dataset-name", "random", "--seed", "1"]
     cmd += ["--random-input-len", "128", "--random-output-len", "64", "--ignore-eos", *load]
     cmd += ["--save-result", "--result-dir", str(out), "--result-filename", "result.json"]
-    window = CpuWindow(server)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=script.parent
-    )
-    window.watch(proc, seconds)
-    _, err = proc.communicate(timeout=seconds + 300)
-    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
-    truth = server.truth()
-    p.requests = len(truth)
+    truth, code, err = _run(server, p, seconds, cmd, script.parent)
     result = out / "result.json"
     if not result.exists():
-        p.note = f"no result: exit {proc.returncode}: {err.decode(errors='replace')[-300:]}"
+        p.note = f"no result: exit {code}: {err}"
         return
     figures, p.failed = read_vllm_result(result)
     p.err = errors(figures, truth_figures(truth))
@@ -218,17 +225,11 @@ def run_inference_perf(
     }  # fmt: skip
     cfg = tmp / f"ip-{p.mode}-{p.level:g}.yaml"
     cfg.write_text(json.dumps(config))
-    window = CpuWindow(server)
     cmd = [*taskset(core), str(python.parent / "inference-perf"), "--config_file", str(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
-    window.watch(proc, seconds)
-    _, err = proc.communicate(timeout=seconds + 300)
-    p.rate, p.cpu_percent, p.cpu_us_per_request = window.figures()
-    truth = server.truth()
-    p.requests = len(truth)
+    truth, _, err = _run(server, p, seconds, cmd, tmp)
     figures, p.failed = read_inference_perf(out)
     if not figures["ttft"]:
-        p.note = f"no per-request metrics read: {err.decode(errors='replace')[-300:]}"
+        p.note = f"no per-request metrics read: {err}"
     p.err = errors(figures, truth_figures(truth))
 
 
