@@ -514,8 +514,8 @@ def main() -> None:
         ip_py = peer_python(peers_dir, "inference-perf", [INFERENCE_PERF], args.peers_python)
         if ip_py is None:
             clients.remove("inference-perf")
-    if vllm_py is not None or ip_py is not None:
-        tokenizer = tokenizer_dir(peers_dir, vllm_py or ip_py)  # type: ignore[arg-type]
+    if (peer := vllm_py or ip_py) is not None:
+        tokenizer = tokenizer_dir(peers_dir, peer)
     print(
         f"client_speed: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
         f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; pinned: "

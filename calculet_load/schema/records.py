@@ -59,6 +59,19 @@ class ClientNs:
     last_token: int | None = None
     response_end: int | None = None
 
+    def last_stamp(self) -> int | None:
+        """The latest point reached (the request's span ends there; None: none was)."""
+        stamps = (
+            self.request_start,
+            self.headers_sent,
+            self.response_headers,
+            self.first_event,
+            self.first_token,
+            self.last_token,
+            self.response_end,
+        )
+        return max((t for t in stamps if t is not None), default=None)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DurationsMs:
