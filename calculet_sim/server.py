@@ -183,8 +183,10 @@ class Sim:
                 # At the end, held tokens flush without a newer one: name the last.
                 ids = [t for t, _ in group[held:]] or [group[-1][0]]
                 ev = fmt.tokens(text, ids, seq.n_generated_sent + len(group), nan_any)
-                await resp.write(b"data: " + ev.encode() + b"\n\n")
-                self._flushed(seq, group)
+                data = b"data: " + ev.encode() + b"\n\n"
+                t_write = time.monotonic_ns()  # no byte of the event left before this
+                await resp.write(data)
+                self._flushed(seq, group, t_write)
                 seq.n_generated_sent += len(group)
                 group, held, nan_any = [], 0, False
             elif group:
@@ -205,7 +207,14 @@ class Sim:
         await resp.write_eof()
         return resp
 
-    def _flushed(self, seq: Seq, group: list[tuple[int, int]]) -> None:
+    def _flushed(self, seq: Seq, group: list[tuple[int, int]], t_write: int) -> None:
+        """One `token_flushed` row per token of the event just written.
+
+        The row's `mono_ns` is stamped after the write returned; `detail.write_start_mono_ns`
+        was read before it began. The bytes left between the two, so a client's arrival
+        is never before the start, and a stall of this process between the write and the
+        stamp (the scheduler, a collection) moves only the row's own stamp.
+        """
         if not self.traces.enabled("server_events"):
             return
         for _, step in group:
@@ -214,6 +223,7 @@ class Sim:
                 seq,
                 step_index=step,
                 kind="prefill" if step == 0 else "decode",
+                detail={"write_start_mono_ns": t_write},
             )
 
     async def _whole(
@@ -243,7 +253,8 @@ class Sim:
         tm = timings(len(req.prompt_ids), prompt_ms, len(ids), (t_last - t_first) / 1e6)
         fmt = self.formatter(opts, req)
         body = fmt.whole(text, ids, item[1], len(ids), tm, nan)
-        self._flushed(seq, steps)
+        # a whole response goes out once the handler returns: both stamps precede its bytes
+        self._flushed(seq, steps, time.monotonic_ns())
         return web.Response(
             text=dumps(body),
             content_type="application/json",

@@ -39,7 +39,10 @@ pytestmark = pytest.mark.timeout(120)
 # last token. On an idle machine the engine's arrivals trail the flush by 0.1-0.5 ms;
 # the bound leaves room for a suite running beside it.
 TOKEN_DELAY_MS = 50.0
-STAMP_LAG_MS = 5.0  # the server stamps a flush after its write returned
+# The kernel's receive time is CLOCK_REALTIME moved onto the monotonic clock by two
+# readings at most 20 µs apart (measure/response.py: clock_pair): the arrival may seem to
+# precede the start of the server's write by that much.
+CLOCK_MOVE_MS = 1.0
 
 
 def _server_rows(sim: SimProcess, want: set[str]) -> dict[str, list[dict[str, Any]]]:
@@ -89,8 +92,9 @@ def test_a_locust_open_loop_on_the_thread_engine_matches_the_simulator(
         assert r["ext.intended_start_ns"] is not None and r["ext.send_lag_ms"] is not None
         # sent at its intended time by the engine's timer, not before it
         assert r["client_ns.request_start"] >= r["ext.intended_start_ns"]
+        # the start of the server's write of each token: no byte of it left before then
         flushes = sorted(
-            (int(x["step_index"]), int(x["mono_ns"]))
+            (int(x["step_index"]), int(x["detail"]["write_start_mono_ns"]))
             for x in truth[r["request_id"]]
             if x["event"] == "token_flushed"
         )
@@ -102,7 +106,7 @@ def test_a_locust_open_loop_on_the_thread_engine_matches_the_simulator(
             (r["client_ns.last_token"], last),
         ):
             delays.append((stamp - flush) / 1e6)
-    assert min(delays) > -STAMP_LAG_MS, min(delays)
+    assert min(delays) > -CLOCK_MOVE_MS, min(delays)
     assert max(delays) < TOKEN_DELAY_MS, max(delays)
     lag = np.array([r["ext.send_lag_ms"] for r in sent])
     print(
