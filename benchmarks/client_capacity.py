@@ -43,6 +43,7 @@ import psutil
 
 # benchmarks/ is on sys.path as this script's own directory.
 from sim_firehose import drive
+from speedkit import start_sim, stop_child  # this folder's
 from timing_accuracy import (
     TARGET_P99_US,
     Join,
@@ -52,8 +53,6 @@ from timing_accuracy import (
     pct,
     run_floor,
     run_level,
-    start_sim,
-    stop_sim,
     warm_up,
 )
 
@@ -221,7 +220,7 @@ def traced_sweep(
                 # uses the last level's.
                 lv.outcomes = []
     finally:
-        stop_sim(proc)
+        stop_child(proc)
     return sets, prompt
 
 
@@ -261,7 +260,7 @@ def firehose(
             ref_streams, events / wall, (cpu_s(me) - c0) / wall, (cpu_s(sim) - s0) / wall
         )
     finally:
-        stop_sim(proc)
+        stop_child(proc)
     return ref
 
 
@@ -278,7 +277,7 @@ def profile_client(
         outcomes, wall = run_level(url, prompt, streams, seconds, tokens, "prof")
         prof.disable()
     finally:
-        stop_sim(proc)
+        stop_child(proc)
     out = io.StringIO()
     n = sum(len(o.token_events) for o in outcomes)
     out.write(f"  cProfile, {streams} streams on the firehose, {n / wall:,.0f} ev/s under it:\n")

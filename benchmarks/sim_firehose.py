@@ -15,18 +15,10 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 
 import psutil
-from speedkit import launch, stop_child, taskset  # this folder's
-
-
-def start_sim(core: int | None, protocol_args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
-    cmd = [sys.executable, "-m", "calculet_sim.cli", "--port", "0", "--profile", "firehose"]
-    proc, url = launch([*taskset(core), *cmd, *protocol_args], "sim")
-    return proc, int(url.rsplit(":", 1)[1])
+from speedkit import start_sim, stop_child  # this folder's
 
 
 async def one_stream(port: int, body: bytes, deadline: float, counts: list[int]) -> None:
@@ -69,7 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     ncpu = os.cpu_count() or 1
     sim_core = 1 if ncpu > 1 else None
-    proc, port = start_sim(sim_core, [])
+    proc, url = start_sim(sim_core, ["--profile", "firehose"])
+    port = int(url.rsplit(":", 1)[1])
     if sim_core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
     sim_ps = psutil.Process(proc.pid)

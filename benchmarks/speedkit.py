@@ -65,6 +65,12 @@ def stop_child(proc: subprocess.Popen[bytes]) -> None:
         proc.stdout.close()
 
 
+def start_sim(core: int | None, args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """A calculet-sim process on 127.0.0.1 (pinned to `core`); returns it and its URL."""
+    cmd = [sys.executable, "-m", "calculet_sim.cli", "--host", "127.0.0.1", "--port", "0"]
+    return launch([*taskset(core), *cmd, *args], "sim")
+
+
 class ExactServer:
     def __init__(self, core: int | None, ttft_ms: float, itl_ms: float, burst: int = 1) -> None:
         cmd = [*taskset(core), sys.executable, str(SERVER), "--port", "0"]

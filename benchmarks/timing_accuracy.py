@@ -21,8 +21,6 @@ import argparse
 import http.client
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -32,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
-from speedkit import launch, stop_child, taskset  # this folder's
+from speedkit import start_sim, stop_child  # this folder's
 
 from calculet_load.measure.client import Outcome, Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
@@ -44,15 +42,6 @@ TARGET_P99_US = 1000.0
 
 
 # ----------------------------------------------------------------- the simulator
-def start_sim(core: int | None, args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """A calculet-sim process on 127.0.0.1 (pinned to `core`); returns it and its URL."""
-    cmd = [sys.executable, "-m", "calculet_sim.cli", "--host", "127.0.0.1", "--port", "0"]
-    return launch([*taskset(core), *cmd, *args], "sim")
-
-
-stop_sim = stop_child
-
-
 class TraceReader:
     """Reads `GET /traces/server_events?offset=N` incrementally."""
 
@@ -281,7 +270,7 @@ def main() -> None:
                     lv.join = join(outcomes, flush_times(traces.new_rows()))
                     lv.requests = len(outcomes)
             finally:
-                stop_sim(proc)
+                stop_child(proc)
 
     print("timing_accuracy: client token-event arrival − server flush (same CLOCK_MONOTONIC)")
     print(
