@@ -37,7 +37,8 @@ VLLM_VERSION = "0.7.3"
 # what benchmark_serving.py and backend_request_func.py import (vLLM itself is optional
 # there: without it they use transformers' AutoTokenizer and argparse)
 VLLM_BENCH_PACKAGES = ["aiohttp", "numpy", "pandas", "datasets", "pillow", "tqdm", "transformers"]
-VLLM_BENCH_FILES = ("benchmark_serving.py", "backend_request_func.py", "benchmark_utils.py")
+# the script last: its presence says the three were written (`vllm_bench_script`)
+VLLM_BENCH_FILES = ("backend_request_func.py", "benchmark_utils.py", "benchmark_serving.py")
 INDEX = "https://pypi.org/simple"
 Figures = dict[str, list[float]]  # "ttft", "itl", "tpot": ms, per request (ITL per gap)
 
