@@ -136,9 +136,9 @@ class CellSummary:
     throughput_batches: tuple[float, ...] = ()
     steady_output_tokens_per_s_ci: tuple[float, float] | None = None
     # requests the server served partly from its prefix cache beyond the prompt's shared
-    # part (ext.cached_tokens > ext.prompt_unique_from): their TTFT is not a cold prefill
+    # part (ext.cached_prompt_tokens > ext.prompt_unique_from): their TTFT is not a cold prefill
     served_from_cache: int = 0
-    cached_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
     @property
     def error_rate(self) -> float | None:
@@ -160,10 +160,10 @@ def _cache_use(table: pa.Table) -> tuple[IntArray, BoolArray]:
     """Per row: prompt tokens the server served from cache, and whether that is more
     than the part every request shares (a chat template); a reused prompt shares all."""
     names = table.column_names
-    if "ext.cached_tokens" not in names:
+    if "ext.cached_prompt_tokens" not in names:
         zeros = np.zeros(table.num_rows, dtype=np.int64)
         return zeros, zeros.astype(bool)
-    cached = _np(table.column("ext.cached_tokens"), np.int64, 0)
+    cached = _np(table.column("ext.cached_prompt_tokens"), np.int64, 0)
     shared = np.zeros(table.num_rows, dtype=np.int64)
     if "ext.prompt_unique_from" in names:
         shared = _np(table.column("ext.prompt_unique_from"), np.int64, 0)
@@ -442,7 +442,7 @@ def summarize_cells(
                 if ci[0] is None or ci[1] is None
                 else (ci[0], ci[1]),
                 served_from_cache=int(np.count_nonzero(from_cache[rows])),
-                cached_tokens=int(cached[rows].sum()),
+                cached_prompt_tokens=int(cached[rows].sum()),
                 metrics={
                     name: summarize(
                         values,

@@ -54,6 +54,7 @@ from calculet_load.schema.clocks import rtt_measured
 from calculet_load.schema.fs import resolve_fs
 from calculet_load.schema.records import (
     ADDED_REQUEST_COLUMNS,
+    RENAMED_REQUEST_COLUMNS,
     REQUEST_SCHEMA,
     TOKEN_EVENT_SCHEMA,
     SchemaVersionError,
@@ -244,7 +245,11 @@ def _read_part(
         if _ADDED.get(name):
             if present is None:
                 present = set(pq.read_schema(path, filesystem=fs).names)
+            renamed = _RENAMED.get(name, {})
             columns = [n for n in schema.names if n in present]
+            columns += [
+                old for old, new in renamed.items() if old in present and new not in present
+            ]
         t = pq.read_table(
             path,
             columns=columns,
@@ -265,10 +270,15 @@ _ADDED: dict[str, tuple[str, ...]] = {
     REQUEST_SCHEMA: ADDED_REQUEST_COLUMNS,
     SELFWATCH_SCHEMA: ADDED_SELFWATCH_COLUMNS,
 }
+_RENAMED: dict[str, dict[str, str]] = {REQUEST_SCHEMA: RENAMED_REQUEST_COLUMNS}
 
 
 def _upgrade(table: pa.Table, name: str, schema: pa.Schema) -> pa.Table:
-    """An older v1 part's table with the columns added since filled with nulls."""
+    """An older v1 part's table with its renamed columns under their new names and the
+    columns added since filled with nulls."""
+    for old, new in _RENAMED.get(name, {}).items():
+        if old in table.column_names and new not in table.column_names:
+            table = table.rename_columns([new if n == old else n for n in table.column_names])
     for column in _ADDED.get(name, ()):
         if column in schema.names and column not in table.column_names:
             field = schema.field(column)

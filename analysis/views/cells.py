@@ -127,7 +127,7 @@ def _from_cache(r: dict[str, Any]) -> str:
     n = r.get("served_from_cache") or 0
     if not n:
         return fmt_int(0) if r.get("served_from_cache") is not None else DASH
-    return f"⚠ {fmt_int(n)} ({fmt_int(r.get('cached_tokens') or 0)} tokens)"
+    return f"⚠ {fmt_int(n)} ({fmt_int(r.get('cached_prompt_tokens') or 0)} tokens)"
 
 
 def _overview(rows: list[dict[str, Any]]) -> Any:

@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if e.count_anomaly:
         print(f"  count anomaly: {e.count_anomaly}")
-    if e.cached_tokens is not None:
-        print(f"  server cache: {e.cached_tokens} prompt tokens served from cache")
+    if e.cached_prompt_tokens is not None:
+        print(f"  server cache: {e.cached_prompt_tokens} prompt tokens served from cache")
     if out.timings:
         shown = ", ".join(f"{k}={v}" for k, v in out.timings.items())
         print(f"  server timings: {shown}")

@@ -47,13 +47,12 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import gevent
 import gevent.event
 import gevent.pool
-from locust import User, events, task
+from locust import events, task
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
@@ -62,6 +61,8 @@ from calculet_load.locust.accuracy import BUDGET_MS, self_check
 from calculet_load.locust.coordinator import Coordinator
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
+from calculet_load.locust.llmuser import LLMUser, ProgrammedTasks, programmed
+from calculet_load.locust.state import STATE as STATE
 from calculet_load.locust.worker import (
     ARRIVALS,
     OPEN_LOOP,
@@ -79,7 +80,6 @@ from calculet_load.schema.access import AccessError, access_from, add_access_arg
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.profiles import PROFILE_NAMES
 from calculet_load.workload.arrivals import ArrivalError, load_replay, unit_gaps
-from calculet_load.workload.dispatch import FailPause
 from calculet_load.workload.mixes import MixError
 
 log = logging.getLogger("calculet_load")
@@ -121,11 +121,14 @@ def _add_options(parser: Any) -> None:
     opt(
         "--arrival",
         choices=ARRIVALS,
-        default="closed",
-        help="closed: each user waits for its response; poisson/constant/gamma/replay: "
-        "open loop at --rate, independent of responses; burst: --burst-size at once",
+        default=None,
+        help="closed (the default): each user waits for its response; poisson/constant/"
+        "gamma/replay: open loop at --rate, independent of responses; burst: --burst-size "
+        "at once (default: a user class's `arrival`, else closed)",
     )
-    opt("--rate", type=float, default=1.0, help="open loop: arrivals per second (all workers)")
+    opt("--rate", type=float, default=None,
+        help="open loop: arrivals per second, all workers (default: a user class's `rate`, "
+        "else 1)")  # fmt: skip
     opt("--burstiness", type=float, default=1.0, help="gamma: shape k (CV = 1/sqrt(k))")
     opt("--replay-file", default="", help="replay: arrival timestamps (s), one per line")
     opt("--mix", default="", help="workload mix: a file or a name in configs/mixes/")
@@ -208,22 +211,12 @@ def _add_options(parser: Any) -> None:
     )
 
 
-# ------------------------------------------------------------------ process state
-@dataclass
-class _State:
-    worker: Worker | None = None
-    plan: Plan | None = None
-    master: Coordinator | None = None
-
-
-STATE = _State()
-
-
 # ------------------------------------------------------------------ Locust wiring
 @events.init.add_listener
 def _on_init(environment: Environment, **_kw: Any) -> None:
     if environment.parsed_options is None:
         return
+    _resolve_arrival(environment)
     _validate(environment.parsed_options)
     # The sink's writer thread converts rows to Arrow while holding the GIL; with the
     # default 5 ms switch interval the event loop could wait that long for the GIL, and
@@ -293,6 +286,35 @@ def _refresh_loop_clock() -> None:
     gevent.get_hub().loop.update_now()
 
 
+def _resolve_arrival(environment: Environment) -> None:
+    """`--arrival` and `--rate` when the command line leaves them out: what the user
+    classes declare (`LLMUser.arrival`, `.rate`), else closed at 1/s. Users of other
+    kinds are named: calculet-load does not measure them."""
+    opts = options(environment)
+    classes = list(environment.user_classes or [])
+    for c in classes:
+        if not issubclass(c, LLMUser):
+            log.warning(
+                "user class %s is not measured by calculet-load: Locust times its requests "
+                "itself (an HttpUser to the response headers) and no record is written; "
+                "subclass calculet_load.locust.LLMUser and call self.llm (docs/locust.md)",
+                c.__name__,
+            )
+    declared = {c.arrival for c in classes if issubclass(c, LLMUser) and c.arrival}
+    if opts.arrival is None:
+        if len(declared) > 1:
+            print(
+                "calculet-load: the user classes declare different arrivals "
+                f"({', '.join(sorted(declared))}): give --arrival",
+                file=sys.stderr,
+            )
+            raise SystemExit(int(ExitCode.INVALID_ARTIFACT))
+        opts.arrival = declared.pop() if declared else "closed"
+    if opts.rate is None:
+        rates = {c.rate for c in classes if issubclass(c, LLMUser) and c.rate is not None}
+        opts.rate = float(rates.pop()) if len(rates) == 1 else 1.0
+
+
 def _validate(opts: Any) -> None:
     """Bad options fail at start with one line naming the option, exit 2 (invalid input,
     as a bad manifest is everywhere in calculet-load)."""
@@ -355,6 +377,9 @@ def _on_test_start(environment: Environment, **_kw: Any) -> None:
         STATE.worker.stop(timeout_s=1.0)
     STATE.plan = plan
     STATE.worker = Worker(environment, plan, index)
+    classes = programmed(list(environment.user_classes or []))
+    if classes and plan.arrival != "closed":  # the dispatcher runs the users' tasks
+        STATE.worker.tasks = ProgrammedTasks(environment, classes, plan.seed)
     if plan.arrival in OPEN_LOOP:
         STATE.worker.start_dispatcher()
 
@@ -508,11 +533,22 @@ def _reset_llm() -> None:
 
 
 # ------------------------------------------------------------------ the user
-class CalculetUser(User):
-    """Closed loop: send, wait for the whole response, send again. Open loop and bursts:
-    an idle placeholder (the process's dispatcher sends; users do not add load)."""
+class CalculetUser(LLMUser):
+    """The built-in workload. Closed loop: send the run's next request (its mix entry, or
+    `--prompt-tokens`/`--max-tokens`), wait for the whole response, send again. Open loop
+    and bursts: an idle placeholder (the process's dispatcher sends; users do not add
+    load). A subclass with tasks of its own is a programmed user: its tasks replace this
+    one, and `self.llm` is there for them."""
 
     abstract = False
+    builtin = True
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        own = [t for t in cls.tasks if t is not CalculetUser.work]
+        if own:  # Locust hands a subclass its bases' tasks too: not the built-in one
+            cls.tasks = own
+            cls.builtin = False
 
     @task
     def work(self) -> None:
@@ -522,10 +558,8 @@ class CalculetUser(User):
             return
         if not w.wait_ready(1.0):  # prompts and connections first: start-up is not load
             return
-        if not hasattr(self, "pause"):
-            self.pause = FailPause()
         try:
-            w.closed_request(self.pause)
+            w.closed_request(self.llm.pause)
         except (WorkloadError, OSError) as exc:
             log.error("%s: cannot build the request: %s", w.name, exc)
             gevent.sleep(1.0)

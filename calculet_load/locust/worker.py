@@ -11,6 +11,7 @@ creates them from Locust's events is calculet_load.locust.plugin.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import gevent
 import gevent.event
@@ -35,7 +36,7 @@ from calculet_load.measure.client import Outcome, Timeouts
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
 from calculet_load.measure.heap import PACER
 from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, target_prompts
-from calculet_load.measure.selfwatch import SelfWatch, sleep_until
+from calculet_load.measure.selfwatch import TIMER_SLACK_S, SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.access import TargetAccess, access_from
@@ -46,6 +47,7 @@ from calculet_load.target.api import off_loop
 from calculet_load.target.describe import model_for
 from calculet_load.target.netprobe import measure_round, rounds_record
 from calculet_load.workload.arrivals import RateClock, Schedule, load_replay
+from calculet_load.workload.calls import Caller, Labels
 from calculet_load.workload.dispatch import FailPause, OpenLoop, Sender
 from calculet_load.workload.mixes import Mix, MixChooser, load_mix, single
 
@@ -82,6 +84,25 @@ class Plan:
         data = json.loads(text)
         data["rate_changes"] = [tuple(x) for x in data.get("rate_changes", [])]
         return cls(**data)
+
+
+class Tasks(Protocol):
+    """Programmed users' tasks an open loop runs (calculet_load.locust.llmuser): arrival
+    k's task on a user the dispatcher lends it, its first call labelled `labels`."""
+
+    def run(self, k: int, labels: Labels) -> None: ...
+
+    def cell_of(self, k: int) -> str: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TaskArrival:
+    """Arrival k of an open loop of programmed users, and the labels of its first call."""
+
+    k: int
+    labels: Labels
 
 
 def options(env: Environment) -> Any:
@@ -137,8 +158,12 @@ class Worker:
         self.target_users = plan.users
         self.stopping = False
         self.paced = False  # this run started the process's heap pacer (measure.heap)
-        self._prompts: dict[tuple[int, int], Prompt] = {}
-        self._factory: PromptFactory | None = None
+        self._prompts: dict[tuple[str, int, int], Prompt] = {}
+        self._factories: dict[str, PromptFactory] = {}
+        self.conversations = itertools.count()  # this process's conversation sessions
+        # programmed users' tasks, which an open loop runs in place of the mix (the
+        # plugin sets them at the start when the locustfile has such users)
+        self.tasks: Tasks | None = None
         manifest = load_manifest(self.opts.manifest) if self.opts.manifest else None
         ctx = (
             dataclasses.replace(RunContext.from_manifest(manifest, self.name), run_id=plan.run_id)
@@ -169,8 +194,10 @@ class Worker:
             lane=(self.slot, len(plan.slots)) if self.slot is not None else (0, 1),
         )
         self.session.hooks.append(self._on_record)
+        self.caller = Caller(self.session, self.prompt_for)  # programmed users' calls
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))
-        self.sender = Sender(self.pool, self._send, self._dropped)
+        self.sender: Sender[RequestSpec] = Sender(self.pool, self._send, self._dropped)
+        self.task_sender: Sender[TaskArrival] = Sender(self.pool, self._run_task, self._drop)
         self.rate_clock = RateClock(plan.rate, max(len(plan.slots), 1))
         for at_ns, rate in plan.rate_changes:
             self.rate_clock.change(at_ns, rate)
@@ -208,19 +235,26 @@ class Worker:
 
     # --- prompts ------------------------------------------------------------------
     def prompt(self, tokens: int, sample: int) -> Prompt:
-        key = (tokens, sample)
+        """The run's prompt of `tokens` tokens (corpus sample `sample`), for its protocol."""
+        return self.prompt_for(self.opts.protocol, tokens, sample)
+
+    def prompt_for(self, protocol: str, tokens: int, sample: int) -> Prompt:
+        """An exact-length prompt for `protocol` (text for chat, token ids otherwise),
+        sized as the target's profile or tokenizer says; built once, then cached."""
+        key = (protocol, tokens, sample)
         p = self._prompts.get(key)
         if p is None:
-            if self._factory is None:
-                self._factory = target_prompts(
+            factory = self._factories.get(protocol)
+            if factory is None:
+                factory = self._factories[protocol] = target_prompts(
                     self.session.pool.endpoint.access,
-                    self.opts.protocol,
+                    protocol,
                     SimpleNamespace(
                         profile=self.opts.target_profile, tokenizer=self.opts.tokenizer
                     ),
                 )
-                self.session.count_text = self._factory.count_text
-            p = self._prompts[key] = self._factory.prompt(tokens, sample)
+                self.session.count_text = factory.count_text
+            p = self._prompts[key] = factory.prompt(tokens, sample)
         return p
 
     def prepare_prompts(self) -> None:
@@ -293,7 +327,7 @@ class Worker:
             else RequestFailed(f"{out.error_class}: {(out.error_detail or '')[:120]}")
         )
         self.env.events.request.fire(
-            request_type=self.opts.protocol,
+            request_type=record.ext.protocol or self.opts.protocol,
             name=cell_name(record),
             response_time=d.e2e if d.e2e is not None else _elapsed_ms(record),
             response_length=record.ext.client_output_tokens or 0,
@@ -375,21 +409,21 @@ class Worker:
         except (WorkloadError, OSError) as exc:
             log.error("%s: cannot prepare prompts: %s", self.name, exc)
             return
-        replay = load_replay(opts.replay_file) if opts.arrival == "replay" else ()
+        replay = load_replay(opts.replay_file) if self.plan.arrival == "replay" else ()
         sched = Schedule(
-            opts.arrival,
+            self.plan.arrival,
             self.plan.seed,
             self.rate_clock,
             burstiness=float(opts.burstiness),
             replay=replay,
         )
         assert self.slot is not None
-        loop = OpenLoop(
+        loop: OpenLoop[Any] = OpenLoop(
             schedule=sched,
             clock=self.rate_clock,
             origin_ns=self.origin_mono,
-            sender=self.sender,
-            spec=self._spec,
+            sender=self.sender if self.tasks is None else self.task_sender,
+            spec=self._spec if self.tasks is None else self._arrival,
             slot=self.slot,
             stopped=lambda: self.stopping,
             wake=self.plan_changed,
@@ -404,11 +438,43 @@ class Worker:
     def _spec(self, k: int, due: int, burst_id: str | None = None) -> RequestSpec:
         return self.spec_for(
             k,
-            arrival="burst" if burst_id else self.opts.arrival,
+            arrival="burst" if burst_id else self.plan.arrival,
             intended_start_ns=due,
             late_after_ms=float(self.opts.late_ms),
             burst_id=burst_id,
         )
+
+    def _labels(self, due: int, burst_id: str | None) -> Labels:
+        """An arrival's labels: its kind, intended instant, lateness bound, burst."""
+        return Labels(
+            arrival="burst" if burst_id else self.plan.arrival,
+            intended_start_ns=due,
+            late_after_ms=float(self.opts.late_ms),
+            burst_id=burst_id,
+        )
+
+    def _arrival(self, k: int, due: int, burst_id: str | None = None) -> TaskArrival:
+        return TaskArrival(k, self._labels(due, burst_id))
+
+    def _run_task(self, arrival: TaskArrival) -> None:
+        assert self.tasks is not None
+        self.tasks.run(arrival.k, arrival.labels)
+
+    def _drop(self, arrival: TaskArrival, reason: str) -> None:
+        """A programmed user's arrival that found the in-flight cap full: a dropped
+        record under its task's name (its calls were never made)."""
+        assert self.tasks is not None
+        lb = arrival.labels
+        spec = RequestSpec(
+            prompt=Prompt.written(),
+            max_tokens=0,
+            cell=self.tasks.cell_of(arrival.k),
+            arrival=lb.arrival,
+            intended_start_ns=lb.intended_start_ns,
+            late_after_ms=lb.late_after_ms,
+            burst_id=lb.burst_id,
+        )
+        self._dropped(spec, reason)
 
     def _dropped(self, spec: RequestSpec, reason: str) -> None:
         record = self.session.record_dropped(spec, reason)
@@ -432,17 +498,25 @@ class Worker:
         if n <= 0:
             return
         deadline = self.offset.mono_at(fire_at_wall_ns)  # the master's instant, our clock
+        specs_k = [first_k + i for i in range(n)]
         try:
-            specs_k = [first_k + i for i in range(n)]
-            for k in specs_k:
-                self.spec_for(k)  # prompts ready before the instant
+            if self.tasks is None:
+                for k in specs_k:
+                    self.spec_for(k)  # prompts ready before the instant
             self.session.pool.prewarm(n)
         except (WorkloadError, OSError) as exc:
             log.error("%s: burst %s: cannot prepare: %s", self.name, burst_id, exc)
-        sleep_until(deadline)
+        if self.tasks is not None and self.session.io_engine == "thread":
+            # the tasks start a timer's slack early; the engine sends at the instant
+            sleep_until(deadline - int(TIMER_SLACK_S * 1e9))
+        else:
+            sleep_until(deadline)
         sent_wall = self.clock.wall_ns()
         for k in specs_k:
-            self.sender.fire(self._spec(k, deadline, burst_id), " at the intended time")
+            if self.tasks is None:
+                self.sender.fire(self._spec(k, deadline, burst_id), " at the intended time")
+            else:
+                self.task_sender.fire(self._arrival(k, deadline, burst_id), " at the instant")
         self.bursts.append(
             {
                 "id": burst_id,
@@ -467,6 +541,8 @@ class Worker:
         # still running after the stop timeout: cut, and recorded as cancelled at run stop
         self.abandoned = len(self.pool)
         self.pool.kill(block=True, timeout=5)
+        if self.tasks is not None:
+            self.tasks.stop()
         self.watch.stop()
         self.sink.close()
         self.session.close()

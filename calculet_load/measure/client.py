@@ -39,6 +39,7 @@ from calculet_load.measure.response import (
     OUTPUT_SLACK_TOKENS,
     CancelAt,
     Fail,
+    OnToken,
     Outcome,
     PoolExhausted,
     Reads,
@@ -54,7 +55,6 @@ from calculet_load.measure.response import (
     wire,
 )
 from calculet_load.schema.access import TargetAccess, access_of
-from calculet_load.schema.records import TokenEvent
 
 __all__ = [
     "ERROR_CLASSES",
@@ -62,6 +62,7 @@ __all__ = [
     "CancelAt",
     "ConnectionPool",
     "Endpoint",
+    "OnToken",
     "Outcome",
     "PoolExhausted",
     "Timeouts",
@@ -267,15 +268,17 @@ def execute(
     clock: Clock | None = None,
     cancel: CancelAt = None,
     extra_headers: dict[str, str] | None = None,
-    on_token: Callable[[TokenEvent], None] | None = None,
+    on_token: OnToken | None = None,
     max_tokens: int | None = None,
     output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
     count_text: Callable[[str], int] | None = None,
+    keep_text: bool = False,
 ) -> Outcome:
     """Run one request and return its outcome; never raises for a server's behaviour.
 
     `on_token` is called for each event that carries generated tokens, right after it is
-    counted (on the reading greenlet: it must be cheap). With `max_tokens`, an output
+    counted (on the reading greenlet: it must be cheap), with its text where `keep_text`
+    (which also keeps the whole generated text in the outcome). With `max_tokens`, an output
     (the client's count or the server's total) above it plus `output_slack_tokens` is
     flagged as a count anomaly. `count_text` (a local tokenizer's count) counts the
     tokens of each event that comes with text and no count from the server.
@@ -296,6 +299,7 @@ def execute(
         max_tokens=max_tokens,
         output_slack_tokens=output_slack_tokens,
         count_text=count_text,
+        keep_text=keep_text,
     )
     out = _attempt(pool, adapter, request, request_id, fresh=False, **kw)  # type: ignore[arg-type]
     if stale(out):
@@ -320,13 +324,14 @@ def _attempt(
     timeouts: Timeouts,
     clock: Clock,
     cancel: CancelAt,
-    on_token: Callable[[TokenEvent], None] | None,
+    on_token: OnToken | None,
     max_tokens: int | None,
     output_slack_tokens: int,
     count_text: Callable[[str], int] | None,
+    keep_text: bool,
 ) -> Outcome:
     out = Outcome(request_id)
-    run = Run(adapter, out, clock, stream, on_token, count_text, pause=gevent.sleep)
+    run = Run(adapter, out, clock, stream, on_token, count_text, gevent.sleep, keep_text)
     conn, data = wire(request)
     anchor_wall = clock.wall_ns()
     t0 = clock.mono_ns()

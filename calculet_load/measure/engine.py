@@ -13,9 +13,10 @@ by the socket's readiness (`add_reader`): with the system clock each read carrie
 kernel's receive time (SO_TIMESTAMPNS, `stamp_source` "kernel"), over TLS too (its
 records come in plain reads: measure.biotls). When the loop is late, reads come before
 parsing (`_Backlog`): a read stamps its bytes, and only reading a socket after its next
-token arrived could make a token's stamp late. Token events reach `on_token` when the
-request ends, on the caller's greenlet (the records are the same; a live listener sees
-them later).
+token arrived could make a token's stamp late. Token events reach `on_token` as they
+arrive, on the caller's greenlet: the engine queues each and wakes the caller's hub
+(only a request with a listener pays for it; the stamps are taken on the engine's
+thread before, and never move).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from calculet_load.measure.response import (
     OUTPUT_SLACK_TOKENS,
     CancelAt,
     Fail,
+    OnToken,
     Outcome,
     PoolExhausted,
     Reads,
@@ -60,7 +62,6 @@ from calculet_load.measure.response import (
     wire,
 )
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, name_this_thread
-from calculet_load.schema.records import TokenEvent
 
 T = TypeVar("T")
 IO_ENGINES = ("gevent", "thread")
@@ -199,10 +200,16 @@ class IoEngine:
             found = self._hubs[key] = (watcher, done)
         return found
 
-    def call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    def call(
+        self,
+        make: Callable[[], Coroutine[Any, Any, T]],
+        live: _Live | None = None,
+    ) -> T:
         """Run `make()` on the engine's loop; the calling greenlet waits for its value.
         Killed while waiting (the run stopped), the coroutine is cancelled, and the
-        GreenletExit carries what it returned as `outcome`."""
+        GreenletExit carries what it returned as `outcome`. With `live`, the greenlet
+        also hands each item the coroutine puts into it (`_Live.put`, on the engine's
+        thread) to its listener as it arrives, and all of them before it returns."""
         watcher, done = self._waker()
         # the hub waits for the watcher while a call is out (unreferenced otherwise: an
         # idle engine does not keep a gevent loop from ending)
@@ -210,6 +217,13 @@ class IoEngine:
         self._out[id(watcher)] = self._out.get(id(watcher), 0) + 1
         result: gevent.event.AsyncResult = gevent.event.AsyncResult()
         tasks: list[asyncio.Task[T]] = []
+        if live is not None:
+
+            def wake() -> None:  # on the engine's thread
+                done.append((live, None, True))
+                watcher.send()
+
+            live.wake = wake
 
         def finished(task: asyncio.Task[T]) -> None:
             if task.cancelled():
@@ -218,6 +232,8 @@ class IoEngine:
                 done.append((result, task.exception(), False))
             else:
                 done.append((result, task.result(), True))
+            if live is not None:
+                done.append((live, None, True))  # its listener's greenlet waits on it
             watcher.send()  # thread-safe: wakes the caller's hub
 
         def start() -> None:
@@ -227,6 +243,8 @@ class IoEngine:
 
         self.loop.call_soon_threadsafe(start)
         try:
+            if live is not None:
+                live.serve(result)
             value: T = result.get()
         except gevent.GreenletExit as exc:
             self.loop.call_soon_threadsafe(lambda: [t.cancel() for t in tasks])
@@ -238,6 +256,39 @@ class IoEngine:
             if not left:
                 watcher.ref = False
         return value
+
+
+class _Live:
+    """Items a call's coroutine hands its caller as they come (a request's token events
+    and their text): the engine's thread `put`s each and wakes the caller's hub, the
+    caller's greenlet `serve`s them to `listener` until the call's result is in."""
+
+    def __init__(self, listener: Callable[..., None]) -> None:
+        self.listener = listener
+        self.items: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.ready = gevent.event.Event()
+        self.wake: Callable[[], object] = lambda: None  # set by `IoEngine.call`
+
+    def put(self, *item: Any) -> None:
+        """On the engine's thread."""
+        self.items.append(item)
+        self.wake()
+
+    def set(self, _value: object) -> None:
+        """On the caller's hub (the engine's waker): an item or the result came."""
+        self.ready.set()
+
+    def serve(self, result: gevent.event.AsyncResult) -> None:
+        """Hand the items over as they come, until `result` is in and none is left."""
+        while True:
+            self.ready.wait()
+            self.ready.clear()
+            while self.items:
+                self.listener(*self.items.popleft())
+            if result.ready():
+                while self.items:
+                    self.listener(*self.items.popleft())
+                return
 
 
 class EnginePool(ConnectionPool):
@@ -621,6 +672,8 @@ class _Job:
     slack: int
     count_text: Callable[[str], int] | None
     send_at: int | None
+    keep_text: bool = False
+    on_token: OnToken | None = None  # on the engine's thread: `_Live.put`
 
 
 async def _execute(job: _Job) -> Outcome:
@@ -637,7 +690,9 @@ async def _execute(job: _Job) -> Outcome:
 async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> Outcome:
     clock, timeouts, pool = job.clock, job.timeouts, job.pool
     out = Outcome(job.request_id)
-    run = Run(job.adapter, out, clock, job.stream, None, job.count_text)
+    run = Run(
+        job.adapter, out, clock, job.stream, job.on_token, job.count_text, None, job.keep_text
+    )
     conn, data = wire(job.request)
     sock: socket.socket | None = None
     taken: BaseException | None = None
@@ -699,15 +754,17 @@ def execute_threaded(
     clock: Clock | None = None,
     cancel: CancelAt = None,
     extra_headers: dict[str, str] | None = None,
-    on_token: Callable[[TokenEvent], None] | None = None,
+    on_token: OnToken | None = None,
     max_tokens: int | None = None,
     output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
     count_text: Callable[[str], int] | None = None,
     send_at_ns: int | None = None,
+    keep_text: bool = False,
 ) -> Outcome:
     """measure.client.execute on the engine's thread: the same outcome. `send_at_ns`: the
     monotonic instant to send at (the engine waits for it on its loop's timers); the
-    request is built here, on the caller's greenlet, before it is handed over."""
+    request is built here, on the caller's greenlet, before it is handed over.
+    `on_token` is called on the caller's greenlet as each token event arrives."""
     pool.endpoint.address()  # resolved on the caller's side (gevent's resolver)
     job = _Job(
         pool=pool,
@@ -722,9 +779,10 @@ def execute_threaded(
         slack=output_slack_tokens,
         count_text=count_text,
         send_at=send_at_ns,
+        keep_text=keep_text,
     )
-    out = pool.engine.call(lambda: _execute(job))
+    live = None
     if on_token is not None:
-        for ev in out.token_events:
-            on_token(ev)
-    return out
+        live = _Live(on_token)
+        job.on_token = live.put
+    return pool.engine.call(lambda: _execute(job), live)

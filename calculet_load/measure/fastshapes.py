@@ -27,10 +27,15 @@ class FastDetails(msgspec.Struct):
     cached_tokens: Count | None = None
 
 
+class FastOutputDetails(msgspec.Struct):
+    reasoning_tokens: Count | None = None
+
+
 class FastUsage(msgspec.Struct):
     completion_tokens: Count | None = None
     prompt_tokens: Count | None = None
     prompt_tokens_details: FastDetails | None = None
+    completion_tokens_details: FastOutputDetails | None = None
 
 
 class FastChoice(msgspec.Struct):
@@ -40,6 +45,10 @@ class FastChoice(msgspec.Struct):
 
 class FastDelta(msgspec.Struct):
     content: str | None = None
+    # a reasoning model's thinking, streamed apart from the answer: `reasoning_content`
+    # (vLLM's reasoning parsers, llama.cpp, DeepSeek), `reasoning` (newer vLLM)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FastChatChoice(msgspec.Struct):

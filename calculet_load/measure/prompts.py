@@ -110,12 +110,18 @@ class Nonce:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Prompt:
-    sample_id: str
-    tokens: int
+    sample_id: str  # "" for a prompt its caller wrote (`written`)
+    tokens: int | None  # None: not counted by the client (the server's count is recorded)
     payload: str | list[int] = dataclasses.field(repr=False)  # never printed or recorded
     count_source: str | None = None  # who counted the tokens (see `Tokenizer.source`)
     nonce: Nonce | None = dataclasses.field(default=None, repr=False)
     unique_from: int | None = None  # the first token that differs between requests
+
+    @classmethod
+    def written(cls, payload: str | list[int] = "") -> Prompt:
+        """A prompt its caller wrote (text, token ids; chat messages go beside it in the
+        request): sent as it is, never made unique, its length left to the server."""
+        return cls("", len(payload) if isinstance(payload, list) else None, payload)
 
 
 def sample_words(seed: int, index: int, count: int) -> list[str]:

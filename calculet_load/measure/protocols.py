@@ -23,6 +23,8 @@ import msgspec
 from calculet_load.measure.fastshapes import INT64_MAX, FastChat, FastCompletion, FastLlama
 
 ProtocolName = Literal["openai-chat", "openai-completions", "llama"]
+# What a request sends as its prompt: text, token ids, or (OpenAI chat) the messages
+Payload = str | list[int] | list[dict[str, Any]]
 
 
 RAW_VALUE_CHARS = 64  # how much of an offending value a record keeps, as text
@@ -60,7 +62,8 @@ class ProtocolError(ValueError):
 class EventInfo:
     tokens: int = 0
     cumulative: int | None = None
-    text: str = ""
+    text: str = ""  # generated text (the answer's, where reasoning comes apart)
+    reasoning: str = ""  # a reasoning model's thinking, streamed apart from the answer
     finish_reason: str | None = None
     done: bool = False  # the protocol's end of stream ([DONE], llama stop)
     final_total: int | None = None  # the server's total output tokens, when stated
@@ -72,6 +75,9 @@ class EventInfo:
     count_source: str | None = None  # whole responses: where the token count came from
     count_anomaly: str | None = None  # the count is not to be trusted as is: why
     cached_tokens: int | None = None  # prompt tokens served from the server's cache
+    # the server's count of the reasoning tokens among the output
+    # (`usage.completion_tokens_details.reasoning_tokens`)
+    reasoning_total: int | None = None
     # an error event or body that also carried generated text (spec §14.1: error
     # responses carry no uninitialized output): how many characters
     error_output_chars: int = 0
@@ -95,7 +101,7 @@ def count_chunk(info: EventInfo, state: CountState) -> None:
     (`chunks`, flagged). Either way the server's final total, when it sends one, is the
     request's count (`measure.client`)."""
     if state.count_text is not None:
-        n = state.count_text(info.text)
+        n = state.count_text(info.reasoning + info.text if info.reasoning else info.text)
         state.source = "tokenizer"
     else:
         n = 1
@@ -187,6 +193,16 @@ def _cached_tokens(obj: dict[str, Any]) -> int | None:
     return cached
 
 
+def _is_messages(prompt: Payload) -> bool:
+    return isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt)
+
+
+def _reasoning_total(usage: Any) -> int | None:
+    """`usage.completion_tokens_details.reasoning_tokens` (OpenAI, vLLM), or None."""
+    details = usage.get("completion_tokens_details") if isinstance(usage, dict) else None
+    return _int(details, "reasoning_tokens") if isinstance(details, dict) else None
+
+
 def _texts(node: Any, keys: tuple[str, ...]) -> int:
     """Characters of the strings under `keys` in `node` (a dict) or its `choices[]`
     entries and their `delta`/`message`: what an error response should not carry."""
@@ -230,7 +246,7 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def body(
         self,
-        prompt: str | list[int],
+        prompt: Payload,
         max_tokens: int,
         *,
         stream: bool,
@@ -262,7 +278,7 @@ class Adapter(abc.ABC):
                 str(cumulative),
             )
         step = cumulative - state.cumulative
-        if step > CONTENTLESS_STEP_MAX and not info.text:
+        if step > CONTENTLESS_STEP_MAX and not (info.text or info.reasoning):
             info.count_anomaly = (
                 f"{source} rose by {step} (to {cumulative}) on an event "
                 "that carried no generated text"
@@ -286,7 +302,7 @@ class OpenAIAdapter(Adapter):
 
     def body(
         self,
-        prompt: str | list[int],
+        prompt: Payload,
         max_tokens: int,
         *,
         stream: bool,
@@ -297,9 +313,14 @@ class OpenAIAdapter(Adapter):
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": max_tokens, "stream": stream}
         if self.chat:
-            if not isinstance(prompt, str):
-                raise ValueError("openai-chat takes a text prompt (messages), not token ids")
-            body["messages"] = [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str):
+                body["messages"] = [{"role": "user", "content": prompt}]
+            elif all(isinstance(m, dict) for m in prompt):
+                body["messages"] = prompt
+            else:
+                raise ValueError("openai-chat takes a text prompt or messages, not token ids")
+        elif _is_messages(prompt):
+            raise ValueError(f"{self.name} takes a text prompt or token ids, not messages")
         else:
             body["prompt"] = prompt
         if model:
@@ -342,6 +363,11 @@ class OpenAIAdapter(Adapter):
             if piece:
                 info.text += piece
                 has_content = True
+            if self.chat:
+                thought = _str(src, "reasoning_content") or _str(src, "reasoning")
+                if thought:
+                    info.reasoning += thought
+                    has_content = True
             reason = _str(ch, "finish_reason")
             if reason:
                 info.finish_reason = reason
@@ -349,6 +375,7 @@ class OpenAIAdapter(Adapter):
         completion = _int(usage, "completion_tokens") if usage is not None else None
         if usage is not None:
             info.prompt_tokens = _int(usage, "prompt_tokens")
+            info.reasoning_total = _reasoning_total(usage)
         self._count_usage(info, state, completion, not choices, has_content)
         timings = obj.get("timings")
         if isinstance(timings, dict):
@@ -372,7 +399,13 @@ class OpenAIAdapter(Adapter):
         has_content = False
         for ch in obj.choices:
             if self.chat:
-                piece = None if ch.delta is None else ch.delta.content
+                delta = ch.delta
+                piece = None if delta is None else delta.content
+                if delta is not None:
+                    thought = delta.reasoning_content or delta.reasoning
+                    if thought:
+                        info.reasoning += thought
+                        has_content = True
             else:
                 piece = ch.text
             if piece:
@@ -384,6 +417,9 @@ class OpenAIAdapter(Adapter):
         completion = None
         if usage is not None:
             completion, info.prompt_tokens = usage.completion_tokens, usage.prompt_tokens
+            out_details = usage.completion_tokens_details
+            if out_details is not None:
+                info.reasoning_total = out_details.reasoning_tokens
         self._count_usage(info, state, completion, not obj.choices, has_content)
         timings = obj.timings
         if timings is not None:
@@ -436,6 +472,9 @@ class OpenAIAdapter(Adapter):
             raise ProtocolError("protocol_violation", "choices[].message: expected an object")
         text = msg.get("content" if self.chat else "text")
         info.text = text if isinstance(text, str) else ""
+        if self.chat:
+            thought = msg.get("reasoning_content") or msg.get("reasoning")
+            info.reasoning = thought if isinstance(thought, str) else ""
         info.finish_reason = _str(ch, "finish_reason")
         usage = obj.get("usage")
         total = _int(usage, "completion_tokens")
@@ -446,6 +485,8 @@ class OpenAIAdapter(Adapter):
             info.final_total = info.tokens = info.cumulative = total
             info.count_source = "usage"
         info.prompt_tokens = _int(usage, "prompt_tokens")
+        if isinstance(usage, dict):
+            info.reasoning_total = _reasoning_total(usage)
         info.cached_tokens = _cached_tokens(obj)
         timings = obj.get("timings")
         if isinstance(timings, dict):
@@ -462,7 +503,7 @@ class LlamaAdapter(Adapter):
 
     def body(
         self,
-        prompt: str | list[int],
+        prompt: Payload,
         max_tokens: int,
         *,
         stream: bool,
@@ -471,6 +512,8 @@ class LlamaAdapter(Adapter):
         seed: int | None,
         ignore_eos: bool,
     ) -> dict[str, Any]:
+        if _is_messages(prompt):
+            raise ValueError("llama takes a text prompt or token ids, not messages")
         body: dict[str, Any] = {
             "prompt": prompt,
             "n_predict": max_tokens,

@@ -84,7 +84,35 @@ FINISH_REASON_CHARS = 64
 
 
 _TIMESPEC = struct.Struct("@ll")
-CancelAt = Literal["before_headers", "first_token"] | int | None
+
+
+class StreamCancel:
+    """A cancel its caller holds: `cancel()` ends the stream at its next event (another
+    thread may call it); with `after_tokens`, the stream ends once that many generated
+    tokens arrived. Either way the request is recorded `cancelled`, with its tokens so
+    far."""
+
+    __slots__ = ("after_tokens", "requested")
+
+    def __init__(self, after_tokens: int | None = None) -> None:
+        self.after_tokens = after_tokens
+        self.requested = False
+
+    def cancel(self) -> None:
+        self.requested = True
+
+    def due(self, tokens: int) -> bool:
+        return self.requested or (self.after_tokens is not None and tokens >= self.after_tokens)
+
+
+# When the client ends a request on purpose: before the headers, at the first token,
+# after this many token events, or when a `StreamCancel` says so.
+CancelAt = Literal["before_headers", "first_token"] | int | StreamCancel | None
+# What a live listener of a request's token events gets, as each arrives: the event, its
+# answer text and its reasoning text (`Run(keep_text=True)`: the text, else "").
+OnToken = Callable[[TokenEvent, str, str], None]
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,6 +172,16 @@ class Outcome:
     # (0: it came alone in its read)
     late_bound_ns: int | None = None
     error_output_chars: int = 0  # generated text an error body or error event carried
+    # the generated text, kept in memory only for a caller that asked (`Run(keep_text=
+    # True)`): never written to a record, a log or a report
+    text: str | None = None
+    reasoning_text: str | None = None
+    # a reasoning model's stream (`Run`): the first answer token's stamp, the tokens of
+    # each phase; None when no reasoning was seen
+    first_answer_ns: int | None = None
+    reasoning_tokens: int | None = None
+    answer_tokens: int | None = None
+    reasoning_total: int | None = None  # the server's own count of them, where it says
 
     @property
     def ok(self) -> bool:
@@ -173,14 +211,25 @@ class Run:
         out: Outcome,
         clock: Clock,
         stream: bool,
-        on_token: Callable[[TokenEvent], None] | None = None,
+        on_token: OnToken | None = None,
         count_text: Callable[[str], int] | None = None,
         pause: Callable[[], object] | None = None,
+        keep_text: bool = False,
     ) -> None:
         self.adapter = adapter
         # called every 16 events of one read (gevent: let other streams take their stamps)
         self.pause = pause
         self.on_token = on_token
+        # the generated text's pieces, kept for the caller (`keep_text`), else None
+        self.answer: list[str] | None = [] if keep_text else None
+        self.thought: list[str] | None = [] if keep_text else None
+        # Reasoning: seen at all; inside a `<think>` leading the text (inline) until its
+        # close; generated tokens of reasoning events; the first answer token's stamp.
+        self.texted = False  # an event with generated text came
+        self.reasoning_seen = False
+        self.thinking = False
+        self.reasoning_tokens = 0
+        self.first_answer: int | None = None
         self.out = out
         self.clock = clock
         self.stream = stream
@@ -223,15 +272,21 @@ class Run:
             self._account(info, t)
             if info.error is not None:
                 raise Fail("server_error_event", info.error, info.error_type)
-            if cancel == "first_token" and self.t4 is not None:
-                return True
-            if isinstance(cancel, int) and len(self.out.token_events) >= cancel:
+            if cancel is not None and self.cancel_due(cancel):
                 return True
         if long_line is not None:
             raise Fail("malformed_sse", str(long_line))
         if self.parser.invalid_utf8:
             raise Fail("invalid_utf8", f"{self.parser.invalid_utf8} invalid UTF-8 sequence(s)")
         return False
+
+    def cancel_due(self, cancel: CancelAt) -> bool:
+        """Whether the client ends the request after the events read so far."""
+        if isinstance(cancel, StreamCancel):
+            return cancel.due(self.out.output_tokens)
+        if cancel == "first_token":
+            return self.t4 is not None
+        return isinstance(cancel, int) and len(self.out.token_events) >= cancel
 
     def on_plain(self, data: bytes, size: int, t: int) -> bool:
         """The data of an event that is one `data:` line, `size` bytes of the stream in all
@@ -279,10 +334,34 @@ class Run:
             out.error_output_chars += info.error_output_chars
         if info.count_anomaly is not None and self.jump is None:
             self.jump = f"event {index}: {info.count_anomaly}"
-        if info.text:
+        text, thought = info.text, info.reasoning
+        if thought:
             # surrogatepass: a JSON escape such as "\ud800" decodes to a lone surrogate,
             # which plain .encode() refuses (it would raise out of execute).
-            self.hash.update(info.text.encode("utf-8", "surrogatepass"))
+            self.hash.update(thought.encode("utf-8", "surrogatepass"))
+        if text:
+            self.hash.update(text.encode("utf-8", "surrogatepass"))
+            if not self.texted:
+                self.texted = True
+                # a reasoning model's inline thinking (llama.cpp --reasoning-format none,
+                # completions): it leads the text, up to its close tag
+                if not thought and text.lstrip().startswith(THINK_OPEN):
+                    self.thinking = self.reasoning_seen = True
+            if self.thinking:
+                close = text.find(THINK_CLOSE)
+                if close < 0:
+                    text, thought = "", text
+                else:
+                    cut = close + len(THINK_CLOSE)
+                    text, thought = text[cut:], text[:cut]
+                    self.thinking = False
+        if thought:
+            self.reasoning_seen = True
+        if self.answer is not None and self.thought is not None:
+            self.answer.append(text)
+            self.thought.append(thought)
+        if info.reasoning_total is not None:
+            out.reasoning_total = info.reasoning_total
         if info.tokens:
             self.tokens_in_read += 1
             if self.t4 is None:
@@ -298,10 +377,15 @@ class Run:
                 out.late_bound_ns = t - self.read_prev
             self.t5 = t
             out.output_tokens += info.tokens
+            if self.reasoning_seen:
+                if thought and not text:
+                    self.reasoning_tokens += info.tokens
+                elif self.first_answer is None and not text.isspace() and text:
+                    self.first_answer = t
             ev = TokenEvent(out.request_id, index, t, info.tokens, info.cumulative)
             out.token_events.append(ev)
             if self.on_token is not None:
-                self.on_token(ev)
+                self.on_token(ev, text, thought)
         if info.finish_reason:
             out.finish_reason = safe_text(info.finish_reason[:FINISH_REASON_CHARS])
         if info.final_total is not None:
@@ -599,6 +683,16 @@ def conclude(
             # request's count, the events keep the tokenizer's counts.
             out.output_tokens = out.server_total
             out.count_source = "tokenizer+usage_total"
+    if run.answer is not None and run.thought is not None:
+        out.text = "".join(run.answer)
+        out.reasoning_text = "".join(run.thought)
+    if run.reasoning_seen:
+        # the server's count of the reasoning tokens where it gives one; the events'
+        # otherwise (a reasoning event's tokens; an event carrying both is the answer's)
+        thought = out.reasoning_total if out.reasoning_total is not None else run.reasoning_tokens
+        out.reasoning_tokens = min(thought, out.output_tokens)
+        out.answer_tokens = out.output_tokens - out.reasoning_tokens
+        out.first_answer_ns = run.first_answer
     if run.jump is not None and out.ok:
         # Only a complete response: a stream cut by an error may end with tokens whose
         # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds
@@ -827,9 +921,13 @@ def respond(conn: h11.Connection, rd: Reads, cancel: CancelAt) -> Respond:
 
 def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
     if run.on_sse(data, t, cancel):
-        out = run.out
-        out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
-        raise Fail("cancelled", f"cancelled at {out.cancelled_at}")
+        _cancelled(run, cancel)
+
+
+def _cancelled(run: Run, cancel: CancelAt) -> None:
+    out = run.out
+    out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
+    raise Fail("cancelled", f"cancelled at {out.cancelled_at}")
 
 
 # A plain chunk: a whole chunk of one SSE event of one `data: ` line. Its head is a plain
@@ -855,7 +953,8 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
     (`ChunkedDecoder.feed`, `Run.on_sse`). The outcome is the same either way
     (tests/load/test_fastpath.py)."""
     run = rd.run
-    quick = cancel is None and run.adapter.fast
+    switch = cancel if isinstance(cancel, StreamCancel) else None
+    quick = (cancel is None or switch is not None) and run.adapter.fast
     data = b""
     closed = False
     while True:
@@ -883,6 +982,8 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
                 ):
                     break
                 pos = stop + 4
+                if switch is not None and switch.due(run.out.output_tokens):
+                    _cancelled(run, cancel)
         try:
             if pos == len(data) > 0:  # all of it read on the fast path
                 chunk = b""

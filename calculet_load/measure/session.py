@@ -24,6 +24,7 @@ from calculet_load.measure.client import (
     CancelAt,
     ConnectionPool,
     Endpoint,
+    OnToken,
     Outcome,
     Timeouts,
     execute,
@@ -111,6 +112,17 @@ class RequestSpec:
     # send the prompt as built (golden and reference requests, whose outputs are
     # compared): no per-request nonce
     reuse: bool = False
+    # What a programmed user (calculet_load.locust.llmuser) adds: the protocol of this
+    # request (None: the session's), chat messages sent in place of the prompt's text,
+    # fields merged into the body, the generated text kept in the outcome (memory only),
+    # a listener of its token events as they arrive, and its conversation and turn.
+    protocol: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    extra_body: dict[str, Any] | None = None
+    keep_text: bool = False
+    on_token: OnToken | None = None
+    session_id: str | None = None
+    turn: int | None = None
 
     @property
     def sampling(self) -> str:
@@ -162,6 +174,11 @@ def make_record(
         if spec.intended_start_ns is not None and t0 is not None
         else None
     )
+    prompt_tokens, prompt_source = spec.prompt.tokens, spec.prompt.count_source
+    if prompt_tokens is None and out.prompt_tokens_server is not None:
+        # a prompt the caller wrote (messages, text): its length as the server counted it
+        prompt_tokens, prompt_source = out.prompt_tokens_server, "server"
+    first_answer = out.first_answer_ns
     from_intended: dict[str, float | None] = {"e2e": None, "ttft": None}
     if spec.intended_start_ns is not None:
         for key, stamp in (("e2e", ns.response_end), ("ttft", ns.first_token)):
@@ -176,8 +193,8 @@ def make_record(
         software=ctx.software,
         hardware=ctx.hardware,
         workload=Workload(
-            prompt_tokens=spec.prompt.tokens,
-            requested_output_tokens=spec.max_tokens,
+            prompt_tokens=prompt_tokens,
+            requested_output_tokens=spec.max_tokens or None,  # 0: a dropped task's
             actual_output_tokens=(
                 out.output_tokens if out.events and out.count_source != "missing" else None
             ),
@@ -202,7 +219,7 @@ def make_record(
             worker=ctx.worker,
             host=ctx.host,
             cell=spec.cell,
-            protocol=protocol,
+            protocol=spec.protocol or protocol,
             arrival=spec.arrival,
             intended_start_ns=spec.intended_start_ns,
             send_lag_ms=late_ms,
@@ -227,16 +244,16 @@ def make_record(
             connection_reused=out.connection_reused,
             connect_ms=out.connect_ns / 1e6 if out.connect_ns is not None else None,
             cancelled_at=out.cancelled_at,
-            corpus_sample_id=spec.prompt.sample_id,
+            corpus_sample_id=spec.prompt.sample_id or None,
             sampling=spec.sampling,
             temperature=spec.temperature,
             nonfinite_field=out.nonfinite,
             error_output_chars=out.error_output_chars or None,
             invalid_value=out.invalid_value,
             count_anomaly=out.count_anomaly,
-            prompt_count_source=spec.prompt.count_source,
+            prompt_count_source=prompt_source,
             prompt_unique_from=unique_from,
-            cached_tokens=out.cached_tokens,
+            cached_prompt_tokens=out.cached_tokens,
             stale_retry=out.stale_retry,
             stamp_source=out.stamp_source,
             read_wait_ms=out.read_wait_ns / 1e6 if out.read_wait_ns is not None else None,
@@ -246,6 +263,14 @@ def make_record(
             event_reads=out.event_reads if out.events else None,
             max_events_per_read=out.max_events_per_read if out.events else None,
             turnaround_ms=turnaround_ns / 1e6 if turnaround_ns is not None else None,
+            session_id=spec.session_id,
+            turn=spec.turn,
+            first_answer_ns=first_answer,
+            ttft_answer_ms=(
+                (first_answer - t0) / 1e6 if first_answer is not None and t0 is not None else None
+            ),
+            reasoning_tokens=out.reasoning_tokens,
+            answer_tokens=out.answer_tokens,
         ),
     )
 
@@ -283,16 +308,21 @@ _SENDS = itertools.count(0)
 _PROCESS_SALT = os.urandom(8).hex()
 
 
-def _token_hook() -> Callable[[TokenEvent], None]:
-    """Fires `events.first_token` once and `events.token_event` for each token event."""
+def _token_hook(also: OnToken | None) -> OnToken:
+    """Fires `events.first_token` once and `events.token_event` for each token event (when
+    anyone listens), then calls the request's own listener `also`."""
     first = True
+    fire = bool(events.token_event or events.first_token)
 
-    def on_token(ev: TokenEvent) -> None:
+    def on_token(ev: TokenEvent, text: str, reasoning: str) -> None:
         nonlocal first
-        if first:
-            first = False
-            events.first_token.fire(request_id=ev.request_id, arrival_ns=ev.arrival_ns)
-        events.token_event.fire(event=ev)
+        if fire:
+            if first:
+                first = False
+                events.first_token.fire(request_id=ev.request_id, arrival_ns=ev.arrival_ns)
+            events.token_event.fire(event=ev)
+        if also is not None:
+            also(ev, text, reasoning)
 
     return on_token
 
@@ -350,16 +380,22 @@ class Session:
     def next_request_id(self) -> str:
         return f"{self.ctx.run_id}.{self.ctx.worker}.{next(self._seq):08d}"
 
+    def unique(self, prompt: Prompt, reuse: bool = False) -> tuple[str | list[int], int | None]:
+        """The prompt's payload as one request sends it: made unique by its nonce (a
+        number no other request of this process or run draws), unless it is reused; and
+        the first token where it differs from others (None: reused)."""
+        seq = next(_SENDS)
+        nonce = prompt.nonce
+        if nonce is None or reuse or self.prompt_reuse:
+            return prompt.payload, None
+        return nonce.apply(prompt.payload, seq, self._salt, self.lane), prompt.unique_from
+
     def send(self, spec: RequestSpec) -> tuple[RequestRecord, Outcome]:
         called = self.clock.mono_ns()
-        seq = next(_SENDS)
-        payload, unique_from = spec.prompt.payload, None
-        nonce = spec.prompt.nonce
-        if nonce is not None and not (spec.reuse or self.prompt_reuse):
-            payload = nonce.apply(payload, seq, self._salt, self.lane)
-            unique_from = spec.prompt.unique_from
-        body = self.adapter.body(
-            payload,
+        payload, unique_from = self.unique(spec.prompt, spec.reuse)
+        adapter = self.adapter if spec.protocol is None else adapter_for(spec.protocol)
+        body = adapter.body(
+            spec.messages if spec.messages is not None else payload,
             spec.max_tokens,
             stream=spec.stream,
             model=self.model,
@@ -367,8 +403,11 @@ class Session:
             seed=spec.seed,
             ignore_eos=spec.ignore_eos,
         )
+        if spec.extra_body:
+            body.update(spec.extra_body)
         self.in_flight += 1
-        on_token = _token_hook() if (events.token_event or events.first_token) else None
+        listened = events.token_event or events.first_token or spec.on_token is not None
+        on_token = _token_hook(spec.on_token) if listened else None
         kw: dict[str, Any] = dict(
             stream=spec.stream,
             timeouts=self.timeouts,
@@ -378,17 +417,18 @@ class Session:
             max_tokens=spec.max_tokens,
             output_slack_tokens=self.output_slack_tokens,
             count_text=self.count_text,
+            keep_text=spec.keep_text,
         )
         try:
             if isinstance(self.pool, EnginePool):
                 # the engine sends at the intended time itself (an open loop's arrival
                 # may be handed over before it is due)
                 out = execute_threaded(
-                    self.pool, self.adapter, body, self.next_request_id(),
+                    self.pool, adapter, body, self.next_request_id(),
                     send_at_ns=spec.intended_start_ns, **kw,
                 )  # fmt: skip
             else:
-                out = execute(self.pool, self.adapter, body, self.next_request_id(), **kw)
+                out = execute(self.pool, adapter, body, self.next_request_id(), **kw)
         except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
             cut: Outcome | None = getattr(exc, "outcome", None)
             if cut is not None:

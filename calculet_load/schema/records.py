@@ -158,7 +158,10 @@ class Ext:
     count_anomaly: str | None = None  # why the token count was flagged (mismatch)
     prompt_count_source: str | None = None  # who counted the prompt's tokens (tokenizer)
     prompt_unique_from: int | None = None  # first token that differs per request; null: reused
-    cached_tokens: int | None = None  # prompt tokens the server served from its cache
+    # prompt tokens the server served from its prefix cache, where it says
+    # (`usage.prompt_tokens_details.cached_tokens`, llama.cpp `timings.cache_n`); null
+    # where it does not say, never 0
+    cached_prompt_tokens: int | None = None
     # sent again on a new connection: the kept-alive one closed before any response byte
     stale_retry: bool = False
     event_reads: int | None = None  # reads that delivered the events (few: coalesced)
@@ -180,6 +183,19 @@ class Ext:
     # t6 to the outcome back in the driver's hands; a closed-loop user's next request
     # waits for it (null: no response end)
     turnaround_ms: float | None = None
+    # a conversation's turns (`LLMUser.llm.conversation`, the `conversation` workload):
+    # the session a turn belongs to and the turn's index in it, from 0; the context the
+    # turn sent is `workload.prompt_tokens` (the whole history and this turn's message)
+    session_id: str | None = None
+    turn: int | None = None
+    # reasoning models, where the stream carried reasoning apart from the answer
+    # (`reasoning_content` deltas, or `<think>...</think>` leading the text): the first
+    # token event carrying answer text that is not only whitespace (monotonic ns) and its
+    # time from t0, and the generated tokens of each phase (null: no reasoning was seen)
+    first_answer_ns: int | None = None
+    ttft_answer_ms: float | None = None
+    reasoning_tokens: int | None = None
+    answer_tokens: int | None = None
 
 
 # Columns added to `calculet-perf-request/v1` after its first release, each optional: a
@@ -189,7 +205,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.count_anomaly",
     "ext.prompt_count_source",
     "ext.prompt_unique_from",
-    "ext.cached_tokens",
+    "ext.cached_prompt_tokens",
     "ext.event_reads",
     "ext.max_events_per_read",
     "ext.stale_retry",
@@ -199,7 +215,15 @@ ADDED_REQUEST_COLUMNS = (
     "ext.stamp_late_bound_ms",
     "ext.connect_ms",
     "ext.turnaround_ms",
+    "ext.session_id",
+    "ext.turn",
+    "ext.first_answer_ns",
+    "ext.ttft_answer_ms",
+    "ext.reasoning_tokens",
+    "ext.answer_tokens",
 )
+# Columns renamed within v1: a reader takes an older part's column under its new name.
+RENAMED_REQUEST_COLUMNS = {"ext.cached_tokens": "ext.cached_prompt_tokens"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

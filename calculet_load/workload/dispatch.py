@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import gevent
 import gevent.event
@@ -42,6 +42,7 @@ from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.matrix import Cell
 from calculet_load.workload.mixes import Mix, MixChooser
 
+T = TypeVar("T")
 OPEN_LEAD_S = 0.2  # schedule time 0 this far ahead of the step's dispatch
 BURST_LEAD_S = 0.1  # a burst's instant this far ahead: connections open, prompts built
 BURST_GAP_S = 0.2  # pause between two rounds of a burst cell
@@ -75,7 +76,12 @@ class FailPause:
         self.next_s = 0.0
 
     def after(self, out: Outcome) -> None:
-        if out.error_class in NO_ANSWER_CLASSES or (out.unanswered and out.error_class):
+        self.wait(out.error_class, out.unanswered)
+
+    def wait(self, error_class: str | None, unanswered: bool) -> None:
+        """Pause after a request that failed with `error_class` (`unanswered`: not a byte
+        of an answer came), or end the pause after an answer."""
+        if error_class in NO_ANSWER_CLASSES or (unanswered and error_class):
             self.next_s = min(max(self.next_s * 2, FAIL_PAUSE_FIRST_S), FAIL_PAUSE_MAX_S)
             gevent.sleep(self.next_s)
         else:
@@ -174,21 +180,22 @@ def _owner(k: int, users: list[int]) -> int:
     raise AssertionError("unreachable")
 
 
-class Sender:
-    """Sends requests into a bounded pool of greenlets; a request that finds the pool
-    full is recorded as dropped (`drop(spec, reason)`), never silently lost."""
+class Sender(Generic[T]):
+    """Sends arrivals (a request, or a programmed user's task) into a bounded pool of
+    greenlets; one that finds the pool full is recorded as dropped (`drop(item,
+    reason)`), never silently lost."""
 
     def __init__(
         self,
         pool: gevent.pool.Pool,
-        send: Callable[[RequestSpec], object],
-        drop: Callable[[RequestSpec, str], object],
+        send: Callable[[T], object],
+        drop: Callable[[T, str], object],
     ) -> None:
         self.pool = pool
         self.send = send
         self.drop = drop
 
-    def fire(self, spec: RequestSpec, why_full: str = "") -> bool:
+    def fire(self, spec: T, why_full: str = "") -> bool:
         """Spawn the request, or record it dropped if the pool is full; True if sent."""
         if self.pool.full():
             self.drop(spec, f"in-flight cap {self.pool.size} full{why_full}")
@@ -209,7 +216,7 @@ class OpenLoopResult:
 
 
 @dataclasses.dataclass
-class OpenLoop:
+class OpenLoop(Generic[T]):
     """The one open-loop dispatcher: arrival k of `schedule`'s slot `slot` is due at
     `origin_ns + clock.time_of(unit)` (monotonic ns); it sleeps until each, builds the
     request with `spec(k, due_ns)` just before the instant and fires it through
@@ -223,8 +230,8 @@ class OpenLoop:
     schedule: Schedule
     clock: RateClock
     origin_ns: int
-    sender: Sender
-    spec: Callable[[int, int], RequestSpec]
+    sender: Sender[T]
+    spec: Callable[[int, int], T]
     slot: int = 0
     count: int | None = None
     end_ns: int | None = None
