@@ -284,7 +284,7 @@ class Pipeline:
         )
         self.sink, self.session = self.client.sink, self.client.session
         self.client.watch.start()
-        self.clients: Any = InProcess(CellRunner(self.session, self._prompt))
+        self.clients: Any = InProcess(CellRunner(self.session, self._prompt, self.client.prompts))
         return resumed
 
     def _set_aside(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from calculet_load.drive.target import RunTarget
 from calculet_load.measure.client import Timeouts
 from calculet_load.measure.heap import PACER
-from calculet_load.measure.prompts import Prompt, PromptFactory, target_prompts
+from calculet_load.measure.prompts import Prompt, PromptBook, PromptFactory, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -36,7 +36,8 @@ class RunClient:
     between its sessions). Every session sends through `target.access` (TLS, base path,
     headers, API key), speaks `target.protocol`, writes to `sink`, and sends prompts as
     built only when the manifest's `target.prompt_reuse` says so. `prompt(tokens,
-    sample)` builds (tokenizes off the gevent loop) once and then reuses."""
+    sample)` builds (tokenizes off the gevent loop) once and then reuses; `book` holds
+    them, and those of the other protocols a conversation speaks."""
 
     manifest: RunManifest
     target: RunTarget
@@ -47,7 +48,7 @@ class RunClient:
     watch: SelfWatch
     make_session: Callable[..., Session] = Session
     sessions: dict[float | None, Session] = dataclasses.field(default_factory=dict)
-    prompts: dict[tuple[int, int], Prompt] = dataclasses.field(default_factory=dict)
+    book: PromptBook | None = None
     paced: bool = False  # this client started the process's heap pacer (measure.heap)
 
     @classmethod
@@ -110,10 +111,18 @@ class RunClient:
 
     def prompt(self, tokens: int, sample: int) -> Prompt:
         """The prompt of exactly `tokens` tokens from corpus sample `sample`, built once."""
-        key = (tokens, sample)
-        if key not in self.prompts:
-            self.prompts[key] = self.factory.prompt(tokens, sample)
-        return self.prompts[key]
+        return self.prompts(self.target.protocol, tokens, sample)
+
+    @property
+    def prompts(self) -> PromptBook:
+        """The prompts of every protocol (a conversation's turns are chat)."""
+        if self.book is None:
+            access, target = self.target.access, self.manifest.target
+            self.book = PromptBook(
+                lambda protocol: target_prompts(access, protocol, target, off_loop=off_loop),
+                {self.target.protocol: self.factory},
+            )
+        return self.book
 
     def close(self) -> None:
         """The self-watch stopped, every session's connections closed, the sink's last

@@ -56,7 +56,7 @@ from locust.runners import STATE_MISSING, MasterRunner, WorkerRunner
 from calculet_load.clock import clock_provenance
 from calculet_load.locust.clocksync import LOCAL, ClockSync
 from calculet_load.measure.client import Timeouts
-from calculet_load.measure.prompts import Prompt, WorkloadError, target_prompts
+from calculet_load.measure.prompts import Prompt, PromptBook, WorkloadError, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -342,14 +342,11 @@ class Agent:
         )
         self.watch = SelfWatch(self.sink, self.name, in_flight=lambda: self.session.in_flight)
         self.watch.start()
-        self.factory = target_prompts(
-            access,
-            target["protocol"],
-            SimpleNamespace(profile=target.get("profile"), tokenizer=target.get("tokenizer")),
-        )
-        self.session.count_text = self.factory.count_text
-        self.prompts: dict[tuple[int, int], Prompt] = {}
-        self.cells = CellRunner(self.session, self.prompt)
+        sizing = SimpleNamespace(profile=target.get("profile"), tokenizer=target.get("tokenizer"))
+        self.prompts = PromptBook(lambda protocol: target_prompts(access, protocol, sizing))
+        self.protocol = str(target["protocol"])
+        self.session.count_text = self.prompts.factory(self.protocol).count_text
+        self.cells = CellRunner(self.session, self.prompt, self.prompts)
         self.pending: dict[str, Share] = {}
         self.shipped: set[str] = set()
         # issue 15: RTT and jitter from this host (§5), on the profile's health path
@@ -359,10 +356,7 @@ class Agent:
         )
 
     def prompt(self, tokens: int, sample: int) -> Prompt:
-        key = (tokens, sample)
-        if key not in self.prompts:
-            self.prompts[key] = self.factory.prompt(tokens, sample)
-        return self.prompts[key]
+        return self.prompts(self.protocol, tokens, sample)
 
     def new_parts(self) -> dict[str, bytes]:
         """Closed parts not sent to the master yet, by file name."""

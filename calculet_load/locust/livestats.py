@@ -40,6 +40,7 @@ COUNTERS = (
     "requests",
     "ok",
     "failed",
+    "cancelled",
     "late",
     "dropped",
     "output_tokens",

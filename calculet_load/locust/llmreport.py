@@ -21,6 +21,7 @@ from calculet_load.locust.llmstats import (
     AGGREGATED,
     FIGURES,
     METRICS,
+    OPTIONAL_METRICS,
     TITLES,
     EntryStats,
     LLMTable,
@@ -75,7 +76,9 @@ def tab_rows(table: LLMTable, live: LiveStats | None = None) -> list[dict[str, A
     (in flight, CPU), which a reset does not touch."""
     total, recent = table.entries(), table.entries(recent=True)
     agg, agg_w = total[AGGREGATED], recent[AGGREGATED]
-    rows = [_metric_row(TITLES[m], agg, agg_w, m) for m in METRICS]
+    # a reasoning model's figure, where the run has one (it is "no data" elsewhere)
+    shown = [m for m in METRICS if m not in OPTIONAL_METRICS or agg.hist[m].count]
+    rows = [_metric_row(TITLES[m], agg, agg_w, m) for m in shown]
     lag = EntryStats()
     lag.hist["e2e_ms"] = table.loop_lag  # the same figures, one histogram
     row = _metric_row("client loop lag ms", lag, EntryStats(), "e2e_ms")
@@ -95,8 +98,11 @@ def tab_rows(table: LLMTable, live: LiveStats | None = None) -> list[dict[str, A
         ),
         _plain("requests in flight", sum(live.in_flight.values()) if live else ""),
         _plain("requests done", c["requests"], agg_w.counts["requests"]),
-        _plain("ok", c["requests"] - c["failures"]),
+        _plain("ok", c["requests"] - c["failures"] - c["cancelled"]),
         _plain("failed", c["failures"], agg_w.counts["failures"]),
+        _plain(
+            "cancelled (by the user, or at the stop)", c["cancelled"], agg_w.counts["cancelled"]
+        ),
         _plain("late arrivals", c["late"], agg_w.counts["late"]),
         _plain("dropped arrivals", c["dropped"], agg_w.counts["dropped"]),
         _plain("token count mismatches", c["count_mismatch"]),
@@ -109,7 +115,7 @@ def tab_rows(table: LLMTable, live: LiveStats | None = None) -> list[dict[str, A
     cells = [name for name in total if name != AGGREGATED]
     if len(cells) > 1:
         for name in cells:
-            for m in METRICS:
+            for m in shown:
                 rows.append(
                     _metric_row(
                         f"{name}: {TITLES[m]}", total[name], recent.get(name, EntryStats()), m
@@ -123,6 +129,7 @@ CSV_COLUMNS = [
     "name",
     "requests",
     "failures",
+    "cancelled",
     "late",
     "dropped",
     "output_tokens",
@@ -157,7 +164,10 @@ def csv_rows(table: LLMTable) -> list[list[str]]:
     out = []
     for name, e in table.entries().items():
         c = e.counts
-        counts = [c["requests"], c["failures"], c["late"], c["dropped"], c["output_tokens"]]
+        counts = [
+            c["requests"], c["failures"], c["cancelled"], c["late"], c["dropped"],
+            c["output_tokens"],
+        ]  # fmt: skip
         out.append([name, *(str(v) for v in counts), *_metric_fields(e)])
     return out
 
@@ -206,6 +216,7 @@ def html_section(table: LLMTable) -> str:
         body.append(
             f'<tr class="cell"><th colspan="{2 + len(FIGURES)}" style="text-align:left">'
             f"{e(name)}: {c['requests']} requests, {c['failures']} failed, "
+            f"{c['cancelled']} cancelled, "
             f"{c['output_tokens']} output tokens</th></tr>"
         )
         for m in METRICS:

@@ -15,10 +15,13 @@ histograms' 1 %:
     ttft_from_intended_ms  t4 − intended start (open loop), successes
     send_lag_ms            t0 − intended start (open loop), every sent request
     e2e_ms                 t6 − t0, successes
+    ttft_answer_ms         first answer token − t0, successes of a reasoning model (its
+                           thinking streamed apart, or in a leading <think>)
 
 Quantiles are analyze's `higher` order statistic x_(k), k = ceil(q·(n−1)) + 1, read
 from a log bucket (calculet_load.locust.livestats.LogHistogram: within 1 %); max and mean are
-exact. Records cut by the run's stop are left out, as analyze leaves them out.
+exact. A request cancelled on purpose (by its user, or cut by the run's stop) counts as
+`cancelled`, never as a failure, and is out of the latency figures, as analyze has it.
 
 The figures are cumulative since the last reset (Locust's "Reset stats", or
 `--reset-stats` once spawning completes) and, beside them, over the last `WINDOW_S`
@@ -40,7 +43,16 @@ from calculet_load.locust.livestats import LogHistogram
 if TYPE_CHECKING:
     from calculet_load.schema.records import RequestRecord, TokenEvent
 
-METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "ttft_from_intended_ms", "send_lag_ms", "e2e_ms")
+METRICS = (
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "ttft_from_intended_ms",
+    "send_lag_ms",
+    "e2e_ms",
+    "ttft_answer_ms",
+)
+OPTIONAL_METRICS = ("ttft_answer_ms",)  # shown where a run has them
 TITLES = {
     "ttft_ms": "TTFT ms (from send)",
     "tpot_ms": "TPOT ms",
@@ -48,10 +60,19 @@ TITLES = {
     "ttft_from_intended_ms": "TTFT ms (from intended arrival)",
     "send_lag_ms": "send lag ms (open loop)",
     "e2e_ms": "E2E ms",
+    "ttft_answer_ms": "TTFT ms (first answer token)",
 }
 QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p95", 0.95), ("p99", 0.99))
 FIGURES = ("n", *(q for q, _ in QUANTILES), "max", "mean")  # per metric, in every output
-COUNTS = ("requests", "failures", "late", "dropped", "output_tokens", "count_mismatch")
+COUNTS = (
+    "requests",
+    "failures",
+    "cancelled",
+    "late",
+    "dropped",
+    "output_tokens",
+    "count_mismatch",
+)
 AGGREGATED = "Aggregated"
 WINDOW_S = 10
 MAX_NAMES = 64  # a mix has a handful of entries; more fold into one name
@@ -182,8 +203,7 @@ class LLMTable:
         *,
         itl: LogHistogram | None = None,
     ) -> None:
-        """Count one finished (or dropped) request; the caller leaves out those cut by
-        the run's stop. `itl`: its token events' itl_histogram, when the caller has it."""
+        """Count one finished (cancelled, dropped) request. `itl`: its token events' itl_histogram, when the caller has it."""
         e = record.ext
         d = record.durations_ms
         ok = e.error_class is None
@@ -195,7 +215,8 @@ class LLMTable:
                 c["dropped"] += 1
                 continue
             c["requests"] += 1
-            c["failures"] += 0 if ok else 1
+            if not ok:  # cancelled on purpose (by its user, at the run's stop), or failed
+                c["cancelled" if e.cancelled_at is not None else "failures"] += 1
             c["late"] += 1 if e.late else 0
             c["count_mismatch"] += 1 if e.token_count_mismatch else 0
             c["output_tokens"] += e.client_output_tokens or 0
@@ -208,12 +229,13 @@ class LLMTable:
                 ("tpot_ms", d.tpot),
                 ("e2e_ms", d.e2e),
                 ("ttft_from_intended_ms", e.ttft_from_intended_ms),
+                ("ttft_answer_ms", e.ttft_answer_ms),
             ):
                 if value is not None:
                     s.hist[metric].add(value)
             if itl is not None and itl.count:
                 s.hist["itl_ms"].merge(itl)
-        if not ok and not e.dropped and e.error_class is not None:
+        if not ok and not e.dropped and e.error_class is not None and e.cancelled_at is None:
             self.errors[e.error_class] += 1
 
     def observe_loop_lag(self, ms: float) -> None:

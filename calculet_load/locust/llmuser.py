@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import gevent
+import gevent.pool
 import gevent.queue
 from locust import User
 from locust.exception import InterruptTaskSet, RescheduleTask, StopUser
@@ -82,22 +82,28 @@ class LLMStream:
                 stream.cancel()  # recorded as cancelled, with its tokens so far
         result = stream.result
 
-    The request runs in a greenlet of its own while the task reads; leaving the loop
-    early cancels it. `result` is there once the loop ended (or after `wait()`)."""
+    The request runs in a greenlet of its own (in the worker's `streams`, which the
+    run's stop ends as it ends every request) while the task reads; leaving the loop
+    early cancels it at its next event. `result` waits for its end."""
 
     _END = object()
 
-    def __init__(self, send: Callable[[StreamCancel, Callable[..., None]], LLMResult],
-                 cancel: StreamCancel) -> None:  # fmt: skip
+    def __init__(
+        self,
+        send: Callable[[StreamCancel, Callable[..., None]], LLMResult],
+        cancel: StreamCancel,
+        group: gevent.pool.Group,
+    ) -> None:
         self._send = send
         self._cancel = cancel
+        self._group = group
         self._queue: gevent.queue.Queue[Any] = gevent.queue.Queue()
         self._greenlet: gevent.Greenlet[..., Any] | None = None
         self._result: LLMResult | None = None
 
     def _start(self) -> None:
         if self._greenlet is None:
-            self._greenlet = gevent.spawn(self._run)
+            self._greenlet = self._group.spawn(self._run)
 
     def _run(self) -> LLMResult:
         def on_token(ev: TokenEvent, text: str, reasoning: str) -> None:
@@ -119,9 +125,11 @@ class LLMStream:
                     return
                 yield item
         finally:
+            # The reader left early: end the stream (at its next event). No wait here:
+            # a generator is closed when it is dropped, where switching greenlets is not
+            # safe, and a killed user must die at once.
             if not done:
-                self._cancel.cancel()  # the reader left early: end the stream
-            self.wait()
+                self._cancel.cancel()
 
     def cancel(self) -> None:
         """End the stream at its next event; recorded `cancelled`, its tokens so far kept."""
@@ -148,7 +156,6 @@ class LLMClient:
         self.pause = FailPause()
         # an open loop's arrival, for the task's first call (the dispatcher sets it)
         self.arrival: Labels | None = None
-        self._sessions = itertools.count()
 
     # --- the process's share of the run ---------------------------------------------
     def _worker(self) -> Worker:
@@ -173,9 +180,13 @@ class LLMClient:
         w = self._worker()
         labels = kw.pop("labels", None) or self._labels(w)
         result = w.caller.call(protocol, cancel=cancel, labels=labels, **kw)
+        self._after(w, result)
+        return result
+
+    def _after(self, w: Worker, result: LLMResult) -> None:
+        """A closed loop's pause after a request the target never answered (FailPause)."""
         if w.plan.arrival == "closed":
             self.pause.wait(result.error_class, result.unanswered)
-        return result
 
     def _completion_protocol(self) -> str:
         """`complete()`'s endpoint: llama.cpp's native `/completion` where the run's
@@ -265,13 +276,14 @@ class LLMClient:
         `system`: a system prompt; `shared_prefix_tokens`: one of that many tokens that
         every session of the run shares (what a prefix cache serves across sessions)."""
         w = self._worker()
-        session_id = f"{w.session.ctx.run_id}.{w.name}.s{next(w.conversations):06d}"
         return Conversation(
-            _CallerOf(self),
-            session_id,
+            w.caller,
+            w.sessions.next_id(),
             system=system,
             shared_prefix_tokens=shared_prefix_tokens,
             name=name,
+            labels=lambda: self._labels(w),
+            after=lambda r: self._after(w, r),
         )
 
     def _request(
@@ -305,28 +317,7 @@ class LLMClient:
         def send(cancel: StreamCancel, on_token: Callable[..., None]) -> LLMResult:
             return self._call(protocol, cancel, on_token=on_token, labels=labels, **kw)
 
-        return LLMStream(send, StreamCancel(cancel_after_tokens))
-
-
-class _CallerOf:
-    """A conversation's caller inside a Locust user: its turns go through the user's
-    client (arrival labels, the closed loop's pause), their text from the worker's."""
-
-    def __init__(self, client: LLMClient) -> None:
-        self.client = client
-
-    def call(self, protocol: str, **kw: Any) -> LLMResult:
-        labels = kw.pop("labels")
-        w = self.client._worker()
-        own = self.client._labels(w)
-        kw["labels"] = dataclasses.replace(own, session_id=labels.session_id, turn=labels.turn)
-        return self.client._call(protocol, kw.pop("cancel", None), **kw)
-
-    def unique_text(self, tokens: int, **kw: Any) -> str:
-        return self.client._worker().caller.unique_text(tokens, **kw)
-
-    def shared_text(self, tokens: int) -> str:
-        return self.client._worker().caller.shared_text(tokens)
+        return LLMStream(send, StreamCancel(cancel_after_tokens), w.streams)
 
 
 def _call_args(

@@ -549,6 +549,8 @@ class CalculetUser(LLMUser):
         if own:  # Locust hands a subclass its bases' tasks too: not the built-in one
             cls.tasks = own
             cls.builtin = False
+            # and Locust would run the base class too, imported into the locustfile
+            CalculetUser.abstract = True
 
     @task
     def work(self) -> None:

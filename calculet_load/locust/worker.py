@@ -11,7 +11,6 @@ creates them from Locust's events is calculet_load.locust.plugin.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -35,7 +34,13 @@ from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
 from calculet_load.measure.heap import PACER
-from calculet_load.measure.prompts import Prompt, PromptFactory, WorkloadError, target_prompts
+from calculet_load.measure.prompts import (
+    Prompt,
+    PromptBook,
+    PromptFactory,
+    WorkloadError,
+    target_prompts,
+)
 from calculet_load.measure.selfwatch import TIMER_SLACK_S, SelfWatch, sleep_until
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -48,6 +53,7 @@ from calculet_load.target.describe import model_for
 from calculet_load.target.netprobe import measure_round, rounds_record
 from calculet_load.workload.arrivals import RateClock, Schedule, load_replay
 from calculet_load.workload.calls import Caller, Labels
+from calculet_load.workload.conversation import Sessions, SessionStart
 from calculet_load.workload.dispatch import FailPause, OpenLoop, Sender
 from calculet_load.workload.mixes import Mix, MixChooser, load_mix, single
 
@@ -95,6 +101,10 @@ class Tasks(Protocol):
     def cell_of(self, k: int) -> str: ...
 
     def stop(self) -> None: ...
+
+
+# an arrival of the process's mix: a request, or a conversation's session
+Arrival = RequestSpec | SessionStart
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +168,7 @@ class Worker:
         self.target_users = plan.users
         self.stopping = False
         self.paced = False  # this run started the process's heap pacer (measure.heap)
-        self._prompts: dict[tuple[str, int, int], Prompt] = {}
-        self._factories: dict[str, PromptFactory] = {}
-        self.conversations = itertools.count()  # this process's conversation sessions
+        self._book: PromptBook | None = None
         # programmed users' tasks, which an open loop runs in place of the mix (the
         # plugin sets them at the start when the locustfile has such users)
         self.tasks: Tasks | None = None
@@ -195,8 +203,11 @@ class Worker:
         )
         self.session.hooks.append(self._on_record)
         self.caller = Caller(self.session, self.prompt_for)  # programmed users' calls
+        # the conversation entries' sessions, and programmed conversations' ids
+        self.sessions = Sessions(self.caller, plan.seed, stopped=lambda: self.stopping)
         self.pool = gevent.pool.Pool(max(int(self.opts.max_in_flight), 1))
-        self.sender: Sender[RequestSpec] = Sender(self.pool, self._send, self._dropped)
+        self.streams = gevent.pool.Group()  # programmed users' streams being read
+        self.sender: Sender[Arrival] = Sender(self.pool, self._send, self._dropped)
         self.task_sender: Sender[TaskArrival] = Sender(self.pool, self._run_task, self._drop)
         self.rate_clock = RateClock(plan.rate, max(len(plan.slots), 1))
         for at_ns, rate in plan.rate_changes:
@@ -238,27 +249,26 @@ class Worker:
         """The run's prompt of `tokens` tokens (corpus sample `sample`), for its protocol."""
         return self.prompt_for(self.opts.protocol, tokens, sample)
 
-    def prompt_for(self, protocol: str, tokens: int, sample: int) -> Prompt:
-        """An exact-length prompt for `protocol` (text for chat, token ids otherwise),
+    @property
+    def prompt_for(self) -> PromptBook:
+        """Exact-length prompts for any protocol (text for chat, token ids otherwise),
         sized as the target's profile or tokenizer says; built once, then cached."""
-        key = (protocol, tokens, sample)
-        p = self._prompts.get(key)
-        if p is None:
-            factory = self._factories.get(protocol)
-            if factory is None:
-                factory = self._factories[protocol] = target_prompts(
-                    self.session.pool.endpoint.access,
-                    protocol,
-                    SimpleNamespace(
-                        profile=self.opts.target_profile, tokenizer=self.opts.tokenizer
-                    ),
-                )
-                self.session.count_text = factory.count_text
-            p = self._prompts[key] = factory.prompt(tokens, sample)
-        return p
+        if self._book is None:
+            self._book = PromptBook(self._factory)
+        return self._book
+
+    def _factory(self, protocol: str) -> PromptFactory:
+        sizing = SimpleNamespace(profile=self.opts.target_profile, tokenizer=self.opts.tokenizer)
+        factory = target_prompts(self.session.pool.endpoint.access, protocol, sizing)
+        # a local tokenizer also counts the events that carry no count from the server
+        self.session.count_text = factory.count_text
+        return factory
 
     def prepare_prompts(self) -> None:
         for entry in self.mix.entries:
+            if entry.kind == "conversation":
+                self.sessions.prepare(entry)
+                continue
             for sample in range(entry.samples):
                 self.prompt(entry.prompt_tokens, sample)
 
@@ -285,8 +295,12 @@ class Worker:
         """Whether this process's load is prepared (waiting up to `timeout_s`)."""
         return bool(self.ready.wait(timeout_s))
 
-    def spec_for(self, k: int, **kw: Any) -> RequestSpec:
+    def spec_for(self, k: int, **kw: Any) -> Arrival:
+        """Arrival k: its request, or the session it starts (a conversation entry);
+        `kw`: its labels."""
         entry, sample = self.chooser.entry_for(k)
+        if entry.kind == "conversation":
+            return SessionStart(k, entry, Labels(**kw))
         return RequestSpec(
             prompt=self.prompt(entry.prompt_tokens, sample),
             max_tokens=entry.max_tokens,
@@ -315,15 +329,15 @@ class Worker:
             _count(s, record, self.opts.model)
         self.token_events_seen += record.ext.token_events or 0
         self.accuracy.observe(record)
-        if out.cancelled_at == "run_stop":
-            return  # cut by the end of the run: in the records, not a server failure
         itl = itl_histogram(out.token_events) if out.ok else None
         for t in self._llm_tables():
             t.observe(record, itl=itl)
+        if out.cancelled_at == "run_stop":
+            return  # cut by the end of the run: counted cancelled, no Locust request
         d = record.durations_ms
         exc = (
             None
-            if out.error_class is None
+            if out.error_class is None or out.cancelled_at is not None  # cancelled on purpose
             else RequestFailed(f"{out.error_class}: {(out.error_detail or '')[:120]}")
         )
         self.env.events.request.fire(
@@ -392,6 +406,11 @@ class Worker:
         k = self.closed_seq * slots + (self.slot or 0)
         self.closed_seq += 1
         spec = self.spec_for(k, concurrency=self.target_users or None, arrival="closed")
+        if isinstance(spec, SessionStart):
+            turns = self.sessions.run(spec)
+            if turns:
+                pause.wait(turns[-1].error_class, turns[-1].unanswered)
+            return
         pause.after(self.session.send(spec)[1])
 
     # --- open loop --------------------------------------------------------------------
@@ -435,7 +454,7 @@ class Worker:
         if not self.stopping:
             log.info("%s: the arrival log is exhausted", self.name)
 
-    def _spec(self, k: int, due: int, burst_id: str | None = None) -> RequestSpec:
+    def _spec(self, k: int, due: int, burst_id: str | None = None) -> Arrival:
         return self.spec_for(
             k,
             arrival="burst" if burst_id else self.plan.arrival,
@@ -476,16 +495,21 @@ class Worker:
         )
         self._dropped(spec, reason)
 
-    def _dropped(self, spec: RequestSpec, reason: str) -> None:
+    def _dropped(self, spec: Arrival, reason: str) -> None:
+        if isinstance(spec, SessionStart):
+            spec = self.sessions.dropped_spec(spec)
         record = self.session.record_dropped(spec, reason)
         for s in self._live_tables():
             _count(s, record, self.opts.model)
         for t in self._llm_tables():
             t.observe(record)
 
-    def _send(self, spec: RequestSpec) -> None:
+    def _send(self, spec: Arrival) -> None:
         try:
-            self.session.send(spec)
+            if isinstance(spec, SessionStart):
+                self.sessions.run(spec)
+            else:
+                self.session.send(spec)
         except Exception:  # a bug, not a server's behaviour: keep the dispatcher alive
             log.exception("%s: request failed inside the client", self.name)
 
@@ -538,9 +562,11 @@ class Worker:
             self.dispatcher.join(timeout=5)
             self.dispatcher.kill()
         self.pool.join(timeout=timeout_s)
+        self.streams.join(timeout=1.0)  # their users are stopped: none reads them now
         # still running after the stop timeout: cut, and recorded as cancelled at run stop
-        self.abandoned = len(self.pool)
+        self.abandoned = len(self.pool) + len(self.streams)
         self.pool.kill(block=True, timeout=5)
+        self.streams.kill(block=True, timeout=5)
         if self.tasks is not None:
             self.tasks.stop()
         self.watch.stop()
@@ -626,6 +652,8 @@ def _count(s: LiveStats, record: RequestRecord, model: str = "") -> None:
     c["requests"] += 1
     if e.error_class is None:
         c["ok"] += 1
+    elif e.cancelled_at is not None:  # by its user, or cut by the run's stop: no failure
+        c["cancelled"] += 1
     else:
         c["failed"] += 1
         s.errors[e.error_class] += 1

@@ -550,7 +550,7 @@ class _Response(Reads):
         PARSE_SLICE_NS, so a response's events, read at its end all at once, do not hold
         the loop's timers: the open loop's sends). Once the head is read and the body
         is an event stream's chunks, the reader tells the loop at the stream's end only
-        (a cancel mid-stream wants each read as it comes)."""
+        (a cancel mid-stream, and a live listener, want each read as it comes)."""
         for data, t, wall, stamp, err in self.engine.reader.take(self.fd):
             if self.fut.done() or self.ended:
                 return
@@ -573,6 +573,7 @@ class _Response(Reads):
             and not self.lazy
             and self.chunked
             and self.cancel is None
+            and self.run.on_token is None  # a live listener wants each read as it comes
             and not self.fut.done()
         ):
             self.lazy = True

@@ -467,3 +467,34 @@ def target_prompts(
     if isinstance(tokenize, LocalTokenizer):
         factory.count_text = tokenize.count
     return factory
+
+
+class PromptBook:
+    """A target's exact-length prompts for every protocol a run speaks, each built once:
+    one factory per protocol (`make(protocol)`: chat text for `openai-chat`, token ids
+    otherwise), made when first asked for; `given` holds factories already made."""
+
+    def __init__(
+        self,
+        make: Callable[[str], PromptFactory],
+        given: dict[str, PromptFactory] | None = None,
+    ) -> None:
+        self._make = make
+        self._factories: dict[str, PromptFactory] = dict(given or {})
+        self._prompts: dict[tuple[str, int, int], Prompt] = {}
+
+    def factory(self, protocol: str) -> PromptFactory:
+        if protocol not in self._factories:
+            self._factories[protocol] = self._make(protocol)
+        return self._factories[protocol]
+
+    def __len__(self) -> int:  # how many prompts are built
+        return len(self._prompts)
+
+    def __call__(self, protocol: str, tokens: int, sample: int) -> Prompt:
+        """The prompt of exactly `tokens` tokens from corpus sample `sample`."""
+        key = (protocol, tokens, sample)
+        found = self._prompts.get(key)
+        if found is None:
+            found = self._prompts[key] = self.factory(protocol).prompt(tokens, sample)
+        return found

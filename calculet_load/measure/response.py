@@ -109,7 +109,7 @@ class StreamCancel:
 # after this many token events, or when a `StreamCancel` says so.
 CancelAt = Literal["before_headers", "first_token"] | int | StreamCancel | None
 # What a live listener of a request's token events gets, as each arrives: the event, its
-# answer text and its reasoning text (`Run(keep_text=True)`: the text, else "").
+# answer text and its reasoning text (in memory only, as `Run(keep_text=True)`'s).
 OnToken = Callable[[TokenEvent, str, str], None]
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

@@ -12,31 +12,28 @@ and the turn's index in it (`ext.turn`, from 0); its context length is the recor
 them. A failed turn is recorded and leaves the history as it was: the next turn is sent
 as if it had not happened (its index still counts on).
 
-`run_session` plays the built-in `conversation` workload (a mix entry of that kind, a
-matrix cell of that kind): its turns, with think times between them, drawn from the
-entry's distribution and the session's seed.
+`Sessions` plays the built-in `conversation` workload (a mix entry of that kind: see
+calculet_load.workload.mixes) through a `Caller`: each `SessionStart` (an arrival of such
+an entry) is one session of its turns, with think times between them drawn from the
+entry's distribution and the session's seed; it ends at its first failed turn, as a
+chat client would.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import gevent
 
+from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.result import LLMResult
-from calculet_load.workload.calls import Labels, Messages
-
-
-class Talk(Protocol):
-    """What a conversation sends its turns with: a `Caller`, or a Locust user's client."""
-
-    def call(self, protocol: str, **kw: Any) -> LLMResult: ...
-
-    def unique_text(self, tokens: int) -> str: ...
-
-    def shared_text(self, tokens: int) -> str: ...
+from calculet_load.measure.session import RequestSpec, Session
+from calculet_load.workload.calls import Caller, Labels, Messages
+from calculet_load.workload.mixes import MixEntry
 
 
 class Conversation:
@@ -44,18 +41,20 @@ class Conversation:
 
     def __init__(
         self,
-        caller: Talk,
+        caller: Caller,
         session_id: str,
         *,
         system: str | None = None,
         shared_prefix_tokens: int = 0,
         name: str | None = None,
         labels: Callable[[], Labels] = Labels,
+        after: Callable[[LLMResult], object] = lambda result: None,
     ) -> None:
         """`system`: the system prompt's text; or `shared_prefix_tokens`: a system prompt of
         that many tokens that every session of the run shares. `name`: the turns' cell
         (default: the protocol's name). `labels`: each turn's arrival labels (a Locust
-        user's: its first call in an open loop carries the arrival's instant)."""
+        user's: its first call in an open loop carries the arrival's instant); `after`:
+        called with each turn's result (a closed loop's pause after a failure)."""
         if system is not None and shared_prefix_tokens:
             raise ValueError("give system or shared_prefix_tokens, not both")
         if shared_prefix_tokens < 0:
@@ -64,6 +63,7 @@ class Conversation:
         self.session_id = session_id
         self.name = name
         self.labels = labels
+        self.after = after
         self.messages: Messages = []
         if shared_prefix_tokens:
             system = caller.shared_text(shared_prefix_tokens)
@@ -109,6 +109,7 @@ class Conversation:
         )
         self.turn += 1
         self.results.append(result)
+        self.after(result)
         if result.ok:
             self.messages += [user, {"role": "assistant", "content": result.text}]
         return result
@@ -136,7 +137,8 @@ def run_session(
     **call: Any,
 ) -> list[LLMResult]:
     """The built-in conversation: `turns` turns of `prompt_tokens` new tokens each, a
-    think time between two turns (none after the last); stops early when `stopped()`."""
+    think time between two turns (none after the last); it ends early when `stopped()`
+    or at a failed turn."""
     rng = random.Random(f"{conversation.session_id}:{seed}")
     for i in range(turns):
         if stopped():
@@ -145,5 +147,85 @@ def run_session(
             pause = think_time_s(think, think_s, rng)
             if pause > 0:
                 gevent.sleep(pause)
-        conversation.say(prompt_tokens=prompt_tokens, max_tokens=max_tokens, **call)
+        if not conversation.say(prompt_tokens=prompt_tokens, max_tokens=max_tokens, **call).ok:
+            break
     return conversation.results
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionStart:
+    """Arrival k of a conversation entry: a session of its turns, the first labelled
+    `labels` (an open loop's instant, a closed loop's concurrency)."""
+
+    k: int
+    entry: MixEntry
+    labels: Labels
+
+
+class Sessions:
+    """The built-in conversation workload's sessions, sent through `caller`; their ids
+    `<run id>.<worker>.s<n>` (`next_id`, which programmed conversations take too)."""
+
+    def __init__(
+        self, caller: Caller, seed: int = 0, stopped: Callable[[], bool] = lambda: False
+    ) -> None:
+        self.caller = caller
+        self.seed = seed
+        self.stopped = stopped
+        self._ids = itertools.count()
+
+    @property
+    def session(self) -> Session:
+        return self.caller.session
+
+    def next_id(self) -> str:
+        ctx = self.caller.session.ctx
+        return f"{ctx.run_id}.{ctx.worker}.s{next(self._ids):06d}"
+
+    def prepare(self, entry: MixEntry) -> None:
+        """Build an entry's prompts before the first session (start-up is not load)."""
+        for sample in range(entry.samples):
+            self.caller.prompt("openai-chat", entry.prompt_tokens, sample=sample)
+        if entry.system_prompt_tokens:
+            self.caller.shared_text(entry.system_prompt_tokens)
+
+    def run(self, start: SessionStart) -> list[LLMResult]:
+        """One session; its first turn carries the start's labels, the later ones its
+        kind of arrival and concurrency (sent when the turn before ended)."""
+        first = [start.labels]
+        later = Labels(arrival=start.labels.arrival, concurrency=start.labels.concurrency)
+        entry = start.entry
+        conversation = Conversation(
+            self.caller,
+            self.next_id(),
+            shared_prefix_tokens=entry.system_prompt_tokens,
+            name=entry.name,
+            labels=lambda: first.pop() if first else later,
+        )
+        return run_session(
+            conversation,
+            turns=entry.turns,
+            prompt_tokens=entry.prompt_tokens,
+            max_tokens=entry.max_tokens,
+            think_s=entry.think_time_s,
+            think=entry.think,
+            seed=self.seed,
+            stopped=self.stopped,
+            temperature=entry.temperature,
+        )
+
+    def dropped_spec(self, start: SessionStart) -> RequestSpec:
+        """What a session whose start found the in-flight cap full is recorded as: a
+        dropped arrival of its first turn."""
+        lb = start.labels
+        return RequestSpec(
+            prompt=Prompt.written(),
+            max_tokens=start.entry.max_tokens,
+            cell=start.entry.name,
+            arrival=lb.arrival,
+            intended_start_ns=lb.intended_start_ns,
+            late_after_ms=lb.late_after_ms,
+            burst_id=lb.burst_id,
+            protocol="openai-chat",
+            turn=0,
+        )

@@ -35,10 +35,12 @@ import gevent.pool
 
 from calculet_load.clock import mono_at_wall
 from calculet_load.measure.client import Outcome
-from calculet_load.measure.prompts import Prompt
+from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.selfwatch import TIMER_SLACK_S, sleep_until
 from calculet_load.measure.session import RequestSpec, Session
 from calculet_load.workload.arrivals import RateClock, Schedule
+from calculet_load.workload.calls import Caller, Labels, PromptSource
+from calculet_load.workload.conversation import Sessions, SessionStart
 from calculet_load.workload.matrix import Cell
 from calculet_load.workload.mixes import Mix, MixChooser
 
@@ -304,12 +306,28 @@ class OpenLoop(Generic[T]):
             self.wake.set()
 
 
-class CellRunner:
-    """Sends shares through one Session; prompts come from `prompt(tokens, sample)`."""
+# an arrival of a cell: a request, or the session a conversation entry starts
+Arrival = RequestSpec | SessionStart
 
-    def __init__(self, session: Session, prompt: Callable[[int, int], Prompt]) -> None:
+
+class CellRunner:
+    """Sends shares through one Session; prompts come from `prompt(tokens, sample)`, and
+    a conversation entry's (chat) from `prompts(protocol, tokens, sample)`."""
+
+    def __init__(
+        self,
+        session: Session,
+        prompt: Callable[[int, int], Prompt],
+        prompts: PromptSource | None = None,
+    ) -> None:
         self.session = session
         self.prompt = prompt
+        self.sessions = Sessions(Caller(session, prompts)) if prompts is not None else None
+
+    def _sessions(self) -> Sessions:
+        if self.sessions is None:
+            raise WorkloadError("a conversation entry needs the chat prompts of the target")
+        return self.sessions
 
     def prepare(self, share: Share) -> None:
         """Build every prompt the share will use before its first request: a /tokenize
@@ -317,12 +335,31 @@ class CellRunner:
         chooser = share.mix.chooser(share.seed)
         if share.cell.kind == "open":
             for entry in share.mix.entries:
+                if entry.kind == "conversation":
+                    self._sessions().prepare(entry)
+                    continue
                 for sample in range(min(entry.samples, share.count)):
                     self.prompt(entry.prompt_tokens, sample)
             return
         for k in share.indexes():
             entry, sample = chooser.entry_for(k)
-            self.prompt(entry.prompt_tokens, sample)
+            if entry.kind == "conversation":
+                self._sessions().prepare(entry)
+            else:
+                self.prompt(entry.prompt_tokens, sample)
+
+    def send(self, item: Arrival) -> Outcome | None:
+        """Send an arrival: its request, or its session (the last turn's outcome is not
+        kept: None)."""
+        if isinstance(item, SessionStart):
+            self._sessions().run(item)
+            return None
+        return self.session.send(item)[1]
+
+    def dropped(self, item: Arrival, reason: str) -> None:
+        if isinstance(item, SessionStart):
+            item = self._sessions().dropped_spec(item)
+        self.session.record_dropped(item, reason)
 
     def run(self, share: Share) -> int:
         """Send the share (in this greenlet; blocks until its requests have ended).
@@ -331,7 +368,7 @@ class CellRunner:
         kind = share.cell.kind
         if kind in ("single", "boundary"):
             for k in share.indexes():
-                self.session.send(self.spec(share, chooser, k, concurrency=1, arrival="single"))
+                self.send(self.spec(share, chooser, k, concurrency=1, arrival="single"))
             return share.count
         if kind == "closed":
             return self._closed(share, chooser)
@@ -339,9 +376,11 @@ class CellRunner:
             return self._open(share, chooser)
         return self._burst(share, chooser)
 
-    def spec(self, share: Share, chooser: MixChooser, k: int, **kw: Any) -> RequestSpec:
+    def spec(self, share: Share, chooser: MixChooser, k: int, **kw: Any) -> Arrival:
         cell = share.cell
         entry, sample = chooser.entry_for(k)
+        if entry.kind == "conversation":
+            return SessionStart(k, entry, Labels(**kw))
         return RequestSpec(
             prompt=self.prompt(entry.prompt_tokens, sample),
             max_tokens=entry.max_tokens,
@@ -360,7 +399,9 @@ class CellRunner:
             pause = FailPause()
             for k in keys:
                 spec = self.spec(share, chooser, k, concurrency=label, arrival="closed")
-                pause.after(self.session.send(spec)[1])
+                out = self.send(spec)
+                if out is not None:
+                    pause.after(out)
 
         gevent.joinall([gevent.spawn(user) for _ in range(share.users)])
         return share.count
@@ -373,7 +414,7 @@ class CellRunner:
             schedule=Schedule(cell.arrival, share.seed, clock, burstiness=cell.burstiness),
             clock=clock,
             origin_ns=mono_at_wall(share.start_wall_ns),
-            sender=Sender(pool, self.session.send, self.session.record_dropped),
+            sender=Sender(pool, self.send, self.dropped),
             spec=lambda k, due: self.spec(
                 share,
                 chooser,
@@ -401,5 +442,5 @@ class CellRunner:
             for k in share.indexes()
         ]  # fmt: skip
         sleep_until(due)
-        gevent.joinall([gevent.spawn(self.session.send, s) for s in specs])
+        gevent.joinall([gevent.spawn(self.send, s) for s in specs])
         return len(specs)

@@ -13,6 +13,14 @@ A mix file is YAML:
 The entry for arrival k is a pure function of (seed, k), so every worker agrees on what
 the k-th request of the run is, and a rerun with the same seed sends the same sequence.
 `--mix` takes a file path or the name of a file in `configs/mixes/`.
+
+An entry of `kind: conversation` is a chat session rather than one request
+(calculet_load.workload.conversation): `turns` turns of `prompt_tokens` new user tokens
+and `max_tokens` output each, a think time between turns, and a system prompt of
+`system_prompt_tokens` that every session shares. Its arrival starts a session: in a
+closed loop each user runs one session after the other (the users are the concurrent
+sessions), in an open loop the arrivals are the sessions' starts (Poisson session starts
+with `--arrival poisson`).
 """
 
 from __future__ import annotations
@@ -47,6 +55,36 @@ class MixEntry(BaseModel):
     samples: int = Field(
         default=16, ge=1, description="distinct corpus samples cycled through (prefix reuse)"
     )
+    kind: Literal["request", "conversation"] = Field(
+        default="request", description="one request, or a chat session of `turns` turns"
+    )
+    turns: int = Field(default=1, ge=1, le=1000, description="conversation: turns per session")
+    think_time_s: float = Field(
+        default=0.0, ge=0, le=3600, description="conversation: mean pause between two turns"
+    )
+    think: Literal["constant", "exponential"] = Field(
+        default="constant", description="conversation: think times fixed, or drawn with that mean"
+    )
+    system_prompt_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=40959,
+        description="conversation: a system prompt of this many tokens every session shares",
+    )
+
+    @model_validator(mode="after")
+    def _conversation_fields(self) -> MixEntry:
+        if self.kind == "request":
+            given = [
+                f
+                for f, default in (("turns", 1), ("think_time_s", 0.0), ("system_prompt_tokens", 0))
+                if getattr(self, f) != default
+            ]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only for an entry of kind conversation")
+        elif not self.stream:
+            raise ValueError("stream: a conversation's turns are streamed")
+        return self
 
 
 class Mix(BaseModel):

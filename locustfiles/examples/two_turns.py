@@ -16,6 +16,8 @@ class TwoTurns(LLMUser):
     def talk(self):
         msgs = [{"role": "user", "content": "Tell me about the sea."}]
         first = self.llm.chat(msgs, max_tokens=16, name="turn1")
-        msgs += [{"role": "assistant", "content": first.text},
-                 {"role": "user", "content": "And the sky?"}]
+        msgs += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And the sky?"},
+        ]
         self.llm.chat(msgs, max_tokens=8, name="turn2")

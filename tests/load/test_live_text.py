@@ -164,3 +164,23 @@ def test_a_listener_sees_tokens_as_they_arrive_and_can_cancel(send: Any) -> None
     assert all(ev.arrival_ns <= at for ev, _, at in seen)  # no stamp moved for a listener
     assert out.error_class == "cancelled" and out.cancelled_at == "mid_stream"
     assert 3 <= out.output_tokens < 8 and out.text.startswith("ab w3")
+
+
+def test_a_listener_alone_sees_tokens_live(send: Any) -> None:
+    """No cancel: the thread engine's native reader would tell its loop at the stream's
+    end only; a listener makes it tell each read as it comes."""
+    held = threading.Event()
+    seen: list[str] = []
+
+    def listener(ev: TokenEvent, text: str, reasoning: str) -> None:
+        seen.append(text)
+        if len(seen) == 2:
+            held.set()
+
+    body = [CHUNKED_HEAD + chunks(chat_event(1, "a"), chat_event(2, "b"), end=False)]
+    body += [Until(held, 5.0), chunks(chat_event(3, "c"), DONE)]
+    began = time.monotonic()
+    with serve(body) as srv:
+        out = send(srv.url, "openai-chat", on_token=listener)
+    assert time.monotonic() - began < 4.0, "the listener saw the tokens at the end only"
+    assert out.ok and seen == ["a", "b", "c"] and out.text is None  # not kept: not asked
