@@ -48,6 +48,7 @@ __all__ = [
     "cells_section",
     "comparison_section",
     "measured_values",
+    "short_warnings",
     "summary_rows",
 ]
 
@@ -80,7 +81,7 @@ _MAX_CDF_CELLS = 12
 _NEED = re.compile(r"(p[\d.]+) rests on n=\d+ < (\d+): no finite (\w+ )?bounds?( at [\d.]+%)?")
 
 
-def _warnings(text: str | None) -> str:
+def short_warnings(text: str | None) -> str:
     """summary.parquet's warnings, shortened: "p99 upper bound needs n ≥ 368"."""
     if not text:
         return ""
@@ -226,7 +227,7 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
             f"{fmt_ms(r['mean'])} {fmt_ci(r['mean_lo'], r['mean_hi'])}",
             f"{fmt_ms(r['std'])} {fmt_ci(r['std_lo'], r['std_hi'])}",
             f"{fmt_ms(r['mad'])} {fmt_ci(r['mad_lo'], r['mad_hi'])}",
-            _warnings(r["warnings"]),
+            short_warnings(r["warnings"]),
         )
         for r in sel
     ]
