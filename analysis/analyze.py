@@ -1,7 +1,8 @@
 """The analysis pipeline of one run (spec §15, from "join" on): load and join → quality
-→ cell summaries → rules → verdicts → `verdict.json`, `summary.parquet`, `summary.csv`.
+→ cell summaries → rules → verdicts → `verdict.json`, `summary.parquet`, `summary.csv`,
+and for a run with conversations `conversations.parquet` and `conversations.csv`.
 
-`analyze` never reads anything but files, and writes only its three outputs (into the
+`analyze` never reads anything but files, and writes only these outputs (into the
 run folder unless told otherwise). Artifact and rules errors raise `AnalysisError`
 subclasses carrying exit code 2.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from analysis.errors import ExitCode
@@ -44,6 +46,7 @@ from analysis.legacy import check_not_legacy
 from analysis.stats import compare
 from analysis.stats import quantiles as stats
 from analysis.tables.cells import CellSummary
+from analysis.tables.conversations import CONVERSATIONS_FILES, conversations_table
 from analysis.tables.join import load_run
 from analysis.tables.summary import summary_table
 from analysis.tables.vendor import vendor_summary
@@ -57,7 +60,8 @@ OUTPUTS = ("verdict.json", "summary.parquet", "summary.csv")
 
 @dataclass(frozen=True, slots=True)
 class Analysis:
-    """The result of `analyze`: the verdict document, its exit code, the summary table."""
+    """The result of `analyze`: the verdict document, its exit code, the summary table,
+    and TTFT by turn and cached share (None: the run has no conversation)."""
 
     document: dict[str, Any]
     exit_code: ExitCode
@@ -65,6 +69,7 @@ class Analysis:
     verdicts: list[RuleVerdict]
     candidate: Evidence
     baseline: Evidence | None
+    conversations: pa.Table | None = None
 
 
 def _run_info(ev: Evidence) -> dict[str, Any]:
@@ -185,6 +190,7 @@ def _document(
     ctx: Context,
     verdicts: list[RuleVerdict],
     code: ExitCode,
+    outputs: list[str],
 ) -> dict[str, Any]:
     counts = {s.value: sum(v.status is s for v in verdicts) for s in Status}
     rehearsal = is_rehearsal((ctx.candidate.run.manifest or {}).get("purpose"))
@@ -211,7 +217,7 @@ def _document(
         **_sections(rules, ctx),
         "verdicts": [verdict_dict(v) for v in verdicts],
         "methods": _methods(rules.analysis.confidence_level),
-        "outputs": list(OUTPUTS),
+        "outputs": outputs,
     }
 
 
@@ -251,24 +257,42 @@ def analyze(
     verdicts = evaluate(rules, ctx)
     code = exit_code(verdicts, fail_on_inconclusive=settings.fail_on_inconclusive)
     source = str(rules_path) if rules_path is not None else "configs/acceptance/default.yaml"
-    doc = _document(rules, source, text, ctx, verdicts, code)
-    return Analysis(doc, code, summary_table(cand.summaries), verdicts, cand, base)
+    conv = conversations_table(
+        cand.table, level=settings.confidence_level, keep=~cand.in_boundary()
+    )
+    outputs = [*OUTPUTS, *(CONVERSATIONS_FILES if conv is not None else ())]
+    doc = _document(rules, source, text, ctx, verdicts, code, outputs)
+    return Analysis(doc, code, summary_table(cand.summaries), verdicts, cand, base, conv)
+
+
+def _table_files(table: pa.Table, stem: str) -> dict[str, bytes]:
+    csv = pa.BufferOutputStream()
+    pacsv.write_csv(table, csv)
+    parquet = pa.BufferOutputStream()
+    pq.write_table(table, parquet)
+    return {
+        f"{stem}.parquet": parquet.getvalue().to_pybytes(),
+        f"{stem}.csv": csv.getvalue().to_pybytes(),
+    }
 
 
 def write_outputs(result: Analysis, out_dir: str) -> list[str]:
-    """Write verdict.json, summary.parquet and summary.csv into `out_dir` (path or URI);
-    each is written to a temporary name and renamed, so a reader never sees half a file."""
+    """Write verdict.json, summary.parquet and summary.csv (and the conversations' two
+    files, or remove those an earlier analysis left) into `out_dir` (path or URI); each is
+    written to a temporary name and renamed, so a reader never sees half a file."""
     fs, root = resolve_fs(out_dir)
     fs.create_dir(root, recursive=True)
-    csv = pa.BufferOutputStream()
-    pacsv.write_csv(result.summary, csv)
-    parquet = pa.BufferOutputStream()
-    pq.write_table(result.summary, parquet)
     payloads = {
         "verdict.json": to_json(result.document).encode(),
-        "summary.parquet": parquet.getvalue().to_pybytes(),
-        "summary.csv": csv.getvalue().to_pybytes(),
+        **_table_files(result.summary, "summary"),
     }
+    if result.conversations is not None:
+        payloads.update(_table_files(result.conversations, "conversations"))
+    else:  # a file that no longer matches the records must not outlive them
+        for name in CONVERSATIONS_FILES:
+            path = f"{root.rstrip('/')}/{name}"
+            if fs.get_file_info(path).type != pafs.FileType.NotFound:
+                fs.delete_file(path)
     written = []
     for name, data in payloads.items():
         path = f"{root.rstrip('/')}/{name}"

@@ -100,6 +100,7 @@ def build_view(
     from analysis.tables.runfiles import LIFECYCLE_EVENTS, RUNTIME_EVENTS
     from analysis.views import cells as cellviews
     from analysis.views import (
+        conversations,
         counterexamples,
         headofline,
         loadcurves,
@@ -148,6 +149,7 @@ def build_view(
         counterexamples.resets_section(rv, scan),
         counterexamples.excluded_section(rv),
         counterexamples.long_context_section(rv),
+        conversations.conversations_section(rv),
         loadcurves.curves_section(rv),
         loadcurves.capacity_section(rv),
         loadcurves.batch_section(rv),
@@ -171,7 +173,7 @@ def build_view(
     return ReportView(
         title=f"calculet-load acceptance report: {b.run_id} ({b.status})",
         banner=b,
-        sections=sections + legacy_trend,
+        sections=tuple(s for s in sections if s is not None) + legacy_trend,
         notes=tuple(notes),
         tool=_tool(),
     )

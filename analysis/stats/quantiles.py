@@ -43,6 +43,7 @@ __all__ = [
     "min_n_for_ci",
     "order_stat_bootstrap_cdf",
     "percentile_name",
+    "percentile_warnings",
     "percentiles",
     "quantile",
     "quantile_ci",
@@ -463,7 +464,9 @@ def mad_ci(
     return _bootstrap_ci(x, _mad, level, seed, n_resamples, max_n)
 
 
-def _percentile_warnings(p: PercentileStat, level: float) -> list[str]:
+def percentile_warnings(p: PercentileStat, level: float) -> list[str]:
+    """What the percentile's interval lacks ("p99 rests on n=20 < 368: no finite upper
+    bound at 95%"); none where it has both bounds or n = 0."""
     if p.n == 0 or (p.lo is not None and p.hi is not None):
         return []
     which = (
@@ -502,7 +505,7 @@ def summarize(
 
     warnings: list[str] = []
     for p in pcts:
-        warnings += _percentile_warnings(p, level)
+        warnings += percentile_warnings(p, level)
     lo_x, hi_x = float(np.min(x)), float(np.max(x))
     mean = Estimate(float(np.mean(x)), *_mean_ci(x, level))
     mad_value = float(_mad(x))

@@ -78,6 +78,13 @@ class Metric:
 
 METRICS: tuple[Metric, ...] = (
     Metric("ttft_ms", "durations_ms.ttft", "t4 − t0 per request (client clock)"),
+    # reasoning models: t4 is the first generated token of any kind, often reasoning
+    Metric(
+        "ttft_answer_ms",
+        "ext.ttft_answer_ms",
+        "first token event with answer text (not only whitespace) − t0, where the stream "
+        "carried reasoning apart from the answer",
+    ),
     Metric("tpot_ms", "durations_ms.tpot", "(t5 − t4) / (output_tokens − 1) per request"),
     Metric("e2e_ms", "durations_ms.e2e", "t6 − t0 per request"),
     Metric(
@@ -139,6 +146,11 @@ class CellSummary:
     # part (ext.cached_prompt_tokens > ext.prompt_unique_from): their TTFT is not a cold prefill
     served_from_cache: int = 0
     cached_prompt_tokens: int = 0
+    # reasoning models: the successes whose stream carried reasoning apart from the answer,
+    # and their generated tokens of each phase (None: no success of the cell showed any)
+    reasoning_requests: int = 0
+    reasoning_tokens: int | None = None
+    answer_tokens: int | None = None
 
     @property
     def error_rate(self) -> float | None:
@@ -168,6 +180,13 @@ def _cache_use(table: pa.Table) -> tuple[IntArray, BoolArray]:
     if "ext.prompt_unique_from" in names:
         shared = _np(table.column("ext.prompt_unique_from"), np.int64, 0)
     return cached, cached > shared
+
+
+def _phase_tokens(table: pa.Table, column: str, rows: IntArray) -> int | None:
+    """The sum of a reasoning model's per-phase token count over `rows`, None where no
+    row has one (a stream without reasoning: null, never 0)."""
+    col = table.column(column).take(pa.array(rows, type=pa.int64()))
+    return None if col.null_count == len(col) else int(pc.sum(col).as_py() or 0)
 
 
 def _sort_key(k: CellKey) -> tuple[Any, ...]:
@@ -401,6 +420,7 @@ def summarize_cells(
     }
     groups = {(key, p): g for g, key, p, _ in cells.each()}
     cached, from_cache = _cache_use(table)
+    reasoned = _valid(table.column("ext.reasoning_tokens"))
     cell_index = {k: i for i, k in enumerate(cells.keys)}
     summaries = []
     last_report = -math.inf
@@ -443,6 +463,9 @@ def summarize_cells(
                 else (ci[0], ci[1]),
                 served_from_cache=int(np.count_nonzero(from_cache[rows])),
                 cached_prompt_tokens=int(cached[rows].sum()),
+                reasoning_requests=int(np.count_nonzero(reasoned[succ[g]])),
+                reasoning_tokens=_phase_tokens(table, "ext.reasoning_tokens", succ[g]),
+                answer_tokens=_phase_tokens(table, "ext.answer_tokens", succ[g]),
                 metrics={
                     name: summarize(
                         values,

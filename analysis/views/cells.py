@@ -48,12 +48,15 @@ __all__ = [
     "cells_section",
     "comparison_section",
     "measured_values",
+    "short_warnings",
     "summary_rows",
 ]
 
 PRIMARY = ("ttft_ms", "tpot_ms", "e2e_ms")
 METRIC_TITLES = {
     "ttft_ms": "TTFT (ms)",
+    "ttft_answer_ms": "TTFT to the first answer token (ms, reasoning models; TTFT counts "
+    "the first token of any kind)",
     "tpot_ms": "TPOT (ms)",
     "e2e_ms": "E2E (ms)",
     "itl_ms": "inter-token latency (ms, per token)",
@@ -71,12 +74,14 @@ _COLUMNS = {
     "tpot_ms": "durations_ms.tpot",
     "e2e_ms": "durations_ms.e2e",
 }
+# shown open beside the primary metrics: a reasoning model's answer can come long after t4
+_OPEN = (*PRIMARY, "ttft_answer_ms")
 _PART_ORDER = {"measured": 0, "throttled": 1, "warmup": 2}
 _MAX_CDF_CELLS = 12
 _NEED = re.compile(r"(p[\d.]+) rests on n=\d+ < (\d+): no finite (\w+ )?bounds?( at [\d.]+%)?")
 
 
-def _warnings(text: str | None) -> str:
+def short_warnings(text: str | None) -> str:
     """summary.parquet's warnings, shortened: "p99 upper bound needs n ≥ 368"."""
     if not text:
         return ""
@@ -222,7 +227,7 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
             f"{fmt_ms(r['mean'])} {fmt_ci(r['mean_lo'], r['mean_hi'])}",
             f"{fmt_ms(r['std'])} {fmt_ci(r['std_lo'], r['std_hi'])}",
             f"{fmt_ms(r['mad'])} {fmt_ci(r['mad_lo'], r['mad_hi'])}",
-            _warnings(r["warnings"]),
+            short_warnings(r["warnings"]),
         )
         for r in sel
     ]
@@ -247,7 +252,51 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
         "percentile's first interval is the binomial order-statistic one (the rules read "
         "it), 'boot' the percentile bootstrap's; [no interval] where n is too small for one",
         numeric=(False, False, True, True, True, True, True, True, True, True, True, False),
-        folded=metric not in PRIMARY,
+        folded=metric not in _OPEN,
+    )
+
+
+def _reasoning_table(rows: list[dict[str, Any]]) -> Any:
+    """Reasoning and answer tokens per cell and partition, where a success streamed
+    reasoning apart from its answer; None for a run without any."""
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        if r.get("reasoning_requests"):
+            seen.setdefault((r["cell"], r["partition"]), r)
+    if not seen:
+        return None
+    out = []
+    for (cell, part), r in seen.items():
+        reasoning, answer = r["reasoning_tokens"], r["answer_tokens"]
+        both = reasoning is not None and answer is not None and reasoning + answer > 0
+        out.append(
+            (
+                cell,
+                part,
+                fmt_int(r["ok"]),
+                fmt_int(r["reasoning_requests"]),
+                fmt_int(reasoning),
+                fmt_int(answer),
+                fmt_pct(100 * reasoning / (reasoning + answer)) if both else DASH,
+            )
+        )
+    return table(
+        (
+            "cell",
+            "partition",
+            "ok",
+            "with reasoning",
+            "reasoning tokens",
+            "answer tokens",
+            "reasoning share",
+        ),
+        out,
+        name="reasoning",
+        caption="reasoning models: generated tokens of each phase, summed over the "
+        "successes whose stream carried reasoning apart from the answer (reasoning_content "
+        "deltas, or <think>…</think> leading the text); reasoning share = reasoning / "
+        "(reasoning + answer)",
+        numeric=(False, False, True, True, True, True, True),
     )
 
 
@@ -326,6 +375,9 @@ def cells_section(rv: RunView, base: RunView | None) -> Section:
     metrics = [m for m in METRIC_TITLES if any(r["metric"] == m for r in rows)]
     for m in metrics:
         s.tables.append(_metric_table(m, rows, level))
+    reasoning = _reasoning_table(rows)
+    if reasoning is not None:
+        s.tables.append(reasoning)
     if boundary is not None:
         s.tables.append(boundary)
     fig = _cdf_figure(rv, base)

@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib import ticker
 from matplotlib.figure import Figure
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "cdf_figure",
     "curve_figure",
     "scatter_curve",
+    "shaded_scatter",
     "timeseries_figure",
 ]
 
@@ -216,6 +218,56 @@ def scatter_curve(
         ax.set_ylabel(ylabel)
         _styled(ax)
         ax.legend(frameon=False, loc="upper left")
+        return _svg(fig)
+
+
+def _plain(axis: Any) -> None:
+    """Ticks as plain numbers with thousands separators: never an offset, a ×10ⁿ factor
+    or a power of ten, which a reader misreads at a glance."""
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _pos: f"{v:,.10g}"))
+
+
+def shaded_scatter(
+    x: Sequence[float],
+    y: Sequence[float],
+    shade: Sequence[float],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    shade_label: str,
+    missing_label: str,
+) -> str:
+    """Per-request points on linear axes from 0, each coloured by its `shade` in [0, 1]
+    (a colour bar in %; above 1 the bar's "over" colour, red); a NaN shade is a grey
+    cross, labelled `missing_label`."""
+    with plt.rc_context(_RC):
+        fig, (ax,) = _figure(1, 7.5, 3.4)
+        xs, ys, c = (np.asarray(v, dtype=float) for v in (x, y, shade))
+        known = np.isfinite(c)
+        if np.any(~known):
+            ax.scatter(
+                xs[~known], ys[~known], s=10, marker="x", lw=0.7, color="0.55", label=missing_label
+            )
+        cmap = matplotlib.colormaps["viridis"].with_extremes(over="C3")
+        dots = ax.scatter(xs[known], ys[known], s=9, c=c[known], cmap=cmap, vmin=0.0, vmax=1.0)
+        if np.any(known):
+            bar = fig.colorbar(dots, ax=ax, extend="max" if np.any(c[known] > 1) else "neither")
+            bar.set_label(shade_label)
+            if bar.solids is not None:  # vector (the page holds no image), without seams
+                bar.solids.set_rasterized(False)
+                bar.solids.set_edgecolor("face")
+            bar.ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0))
+        if np.any(~known):
+            ax.legend(frameon=False, loc="upper left")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        _plain(ax.xaxis)
+        _plain(ax.yaxis)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        _styled(ax)
         return _svg(fig)
 
 
