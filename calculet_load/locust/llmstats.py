@@ -203,7 +203,8 @@ class LLMTable:
         *,
         itl: LogHistogram | None = None,
     ) -> None:
-        """Count one finished (cancelled, dropped) request. `itl`: its token events' itl_histogram, when the caller has it."""
+        """Count one finished (cancelled, dropped) request. `itl`: its token events'
+        itl_histogram, when the caller has it."""
         e = record.ext
         d = record.durations_ms
         ok = e.error_class is None

@@ -9,6 +9,7 @@ read and cancelled as they go; the generated text is never written anywhere.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -118,8 +119,8 @@ def test_an_open_loop_runs_the_users_task_on_its_schedule(tmp_path: Path, sim: S
 
 
 def test_a_class_attribute_paces_bursts_of_the_users_task(tmp_path: Path, sim: SimProcess) -> None:
-    run = _run(tmp_path, sim, DATA / "burst_user.py",
-               ["--protocol", "openai-chat", "--burst-size", "6", "-u", "1", "-r", "1"], run_s=6)  # fmt: skip
+    args = ["--protocol", "openai-chat", "--burst-size", "6", "-u", "1", "-r", "1"]
+    run = _run(tmp_path, sim, DATA / "burst_user.py", args, run_s=6)
     rows = _rows(run.requests(), "ext.cell", "ext.burst_id", "ext.arrival", "ext.error_class")
     assert len(rows) == 6, rows
     assert {r["ext.arrival"] for r in rows} == {"burst"} and len(
@@ -171,8 +172,8 @@ def test_a_conversation_mix_sends_each_session_its_history(tmp_path: Path, sim: 
         "  - {name: chat, kind: conversation, weight: 1, turns: 3, prompt_tokens: 32,"
         " max_tokens: 8, system_prompt_tokens: 64}\n"
     )
-    run = _run(tmp_path, sim, REPO / "locustfiles" / "calculet.py",
-               ["--protocol", "openai-chat", "--mix", str(mix), "-u", "3", "-r", "3"], run_s=8)  # fmt: skip
+    args = ["--protocol", "openai-chat", "--mix", str(mix), "-u", "3", "-r", "3"]
+    run = _run(tmp_path, sim, REPO / "locustfiles" / "calculet.py", args, run_s=8)
     rows = _rows(run.requests(), "ext.session_id", "ext.turn", "workload.prompt_tokens",
                  "ext.error_class", "ext.cell")  # fmt: skip
     sessions: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -191,7 +192,7 @@ def test_a_conversation_mix_sends_each_session_its_history(tmp_path: Path, sim: 
         # chat template included (about 6 each); each later turn adds the answer before
         # it (8 tokens, as the server encodes their text again) and its own message
         assert sizes[0] >= 64 + 32 - 8, sizes
-        assert all(b - a >= 30 for a, b in zip(sizes, sizes[1:])), sizes
+        assert all(b - a >= 30 for a, b in itertools.pairwise(sizes)), sizes
 
 
 def test_no_text_is_written_anywhere(tmp_path: Path, sim: SimProcess) -> None:
