@@ -12,6 +12,10 @@ records its own send times. Each client runs alone, pinned to core 0:
   point is beyond its capacity). It runs on the default I/O engine (`thread`); with
   `--io-engine gevent,thread` once per engine, side by side. The client's name says which
   (`calculet:thread`, `calculet:gevent`).
+- `llmuser` (when asked: `--clients calculet,llmuser`): the same requests sent by a user
+  you program (benchmarks/llmuser_locustfile.py: `self.llm.complete(prompt_tokens=128,
+  max_tokens=64)` from a task), through the same Locust process: what a programmed call
+  costs against the built-in workload's, as a ratio to the reference's CPU.
 - `reference`: benchmarks/ref_client.py (asyncio + uvloop when installed, stamps at the
   byte's arrival, nothing else).
 - `floor` (when asked: `--clients reference,floor,calculet`): the same client reading in
@@ -80,6 +84,7 @@ from calculet_load.measure.engine import (
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 REFERENCE = REPO / "benchmarks" / "ref_client.py"
+LLMUSER = REPO / "benchmarks" / "llmuser_locustfile.py"
 RATES = [20, 40, 80, 160, 320, 640]
 CONCURRENCY = [16, 64, 256]
 BUDGET_MS = 10.0  # the issue's bar: TTFT p99 error within 10 ms
@@ -94,17 +99,20 @@ def run_calculet(
     core: int | None,
     tree: Path = REPO,
     engine: str = DEFAULT_IO_ENGINE,
+    locustfile: Path | None = None,
 ) -> None:
     """calculet-load's Locust user, from this checkout or another one (`tree`: a
     baseline, e.g. `git archive COMMIT | tar -x -C DIR`), as a user runs it, on the I/O
-    engine `engine` (--io-engine; a baseline tree is run without the option)."""
+    engine `engine` (--io-engine; a baseline tree is run without the option); or the
+    user of `locustfile` (a programmed one)."""
     run_dir = tmp / f"{p.client.replace(':', '-')}-{p.mode}-{p.level:g}"
     env = dict(os.environ)
     env.pop("LOCUST_ACCURACY_MS", None)  # its own verdict at the default budget (10 ms)
     if tree != REPO:
         env["PYTHONPATH"] = str(tree)  # ahead of this checkout's editable install
     cmd = [
-        *taskset(core), str(BIN / "locust"), "-f", str(tree / "locustfiles" / "calculet.py"),
+        *taskset(core), str(BIN / "locust"), "-f",
+        str(locustfile or tree / "locustfiles" / "calculet.py"),
         "--headless",
         "-H", server.url, "--protocol", "openai-completions", "--prompt-tokens", "128",
         "--max-tokens", "64", "--run-dir", str(run_dir), "--only-summary",
@@ -153,6 +161,29 @@ def run_calculet(
         p.note += " | self-check: " + kept_up[-1].split("in ", 1)[-1][:300]
     if code not in (0, 3) or not p.requests:  # an exit 0 that sent nothing says why
         p.note += f" | locust stderr: {stderr[-600:]}"
+
+
+def compare_lines(points: list[Point], client: str, other: str, what: str) -> list[str]:
+    """Per point run by both: `client`'s CPU per request as a multiple of `other`'s, and
+    both's TTFT p99 error (ms): a change's cost, measured in one run."""
+
+    def of(name: str) -> dict[tuple[str, float], Point]:
+        return {(p.mode, p.level): p for p in points if p.client.partition(":")[0] == name}
+
+    mine, theirs = of(client), of(other)
+    out = []
+    for key in sorted(mine.keys() & theirs.keys()):
+        a, b = mine[key], theirs[key]
+        if not (a.cpu_us_per_request and b.cpu_us_per_request):
+            continue
+        ea, eb = (x.err.get("ttft_p99", math.nan) for x in (a, b))
+        out.append(
+            f"  {what} ({client}) against {other}, {key[0]} {key[1]:g}: CPU per request "
+            f"{a.cpu_us_per_request:.0f} against {b.cpu_us_per_request:.0f} µs "
+            f"({a.cpu_us_per_request / b.cpu_us_per_request:.2f}x); TTFT p99 error "
+            f"{ea:+.3f} against {eb:+.3f} ms"
+        )
+    return out
 
 
 def verdict_doc(run_dir: Path) -> dict[str, Any]:
@@ -546,6 +577,9 @@ def main() -> None:
                     if client.startswith("calculet"):
                         engine = client.partition(":")[2] or DEFAULT_IO_ENGINE
                         run_calculet(server, p, args.seconds, tmp, client_core, engine=engine)
+                    elif client == "llmuser":
+                        run_calculet(server, p, args.seconds, tmp, client_core,
+                                     locustfile=LLMUSER)  # fmt: skip
                     elif client == "baseline":
                         tree = Path(args.baseline_tree).resolve()
                         run_calculet(server, p, args.seconds, tmp, client_core, tree)
@@ -582,6 +616,10 @@ def main() -> None:
     print(f"  load average at the end: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
     for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
         summary(name, [p for p in points if p.client == name])
+    for line in compare_lines(points, "llmuser", "calculet", "a programmed user"):
+        print(line)
+    for line in compare_lines(points, "calculet", "baseline", "this tree"):
+        print(line)
     for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
         print(f"  {name} against issue 18's targets, in this run:")
         for line in target_lines([p for p in points if p.client == name]):

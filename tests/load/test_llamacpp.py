@@ -238,6 +238,40 @@ def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
     assert set(done.column("workload.actual_output_tokens").to_pylist()) == {8}
 
 
+def test_the_two_turn_user_counts_both_turns_tokens_exactly(
+    llama: LlamaServer, tmp_path: Path
+) -> None:
+    """The example's locustfile, unchanged, against the real server's chat endpoint:
+    every turn's output is the server's own count (ignore_eos: exactly what was asked),
+    turn 2 carries turn 1's answer, and Locust counts each completed turn once."""
+    example = Path(__file__).resolve().parents[2] / "locustfiles" / "examples" / "two_turns.py"
+    run = LocustRun(
+        tmp_path,
+        llama.url,
+        ["--protocol", "openai-chat", "--target-profile", "llama.cpp", "-u", "2", "-r", "2"],
+        workers=0,
+        run_time_s=8.0,
+        locustfile=str(example),
+    ).start()
+    try:
+        assert run.wait(120) == 0, run.log_text()
+    finally:
+        run.stop()
+    rows = run.requests().to_pylist()
+    done = [r for r in rows if r["ext.error_class"] is None]
+    asked = {"turn1": 16, "turn2": 8}
+    for cell, n in asked.items():
+        mine = [r for r in done if r["ext.cell"] == cell]
+        assert len(mine) >= 2, rows
+        for r in mine:
+            assert r["ext.client_output_tokens"] == r["ext.server_output_tokens"] == n, r
+            assert r["workload.actual_output_tokens"] == n and not r["ext.token_count_mismatch"]
+    first = min(r["workload.prompt_tokens"] for r in done if r["ext.cell"] == "turn1")
+    assert min(r["workload.prompt_tokens"] for r in done if r["ext.cell"] == "turn2") > first
+    counted = sum(1 for r in rows if r["ext.cancelled_at"] != "run_stop")
+    assert sum(r["num_requests"] for r in run.locust_stats().values()) == counted
+
+
 def test_accept_against_llama_cpp_passes_with_its_missing_steps_named(
     llama: LlamaServer,
     tmp_path: Path,
