@@ -71,6 +71,7 @@ def state_of(eng: Engine) -> dict[str, Any]:
             "quarantined_tokens": eng.kv_quarantined,
             "waits": eng.kv_waits,
         },
+        "prefix_cache": {"enabled": eng.p.prefix_cache.enabled, **eng.cache.state()},
         "buffer_pool": {
             "total": sched.buffer_pool_size,
             "free": eng.free_leases(),

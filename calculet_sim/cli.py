@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--profile",
-        help="profile YAML path or bundled name (default, b4, b8, b16, pingpong, slow, firehose)",
+        help="profile YAML path or bundled name "
+        "(default, b4, b8, b16, pingpong, slow, firehose, qwen3)",
     )
     p.add_argument(
         "--set",

@@ -17,14 +17,15 @@ import itertools
 import random
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from calculet_load.schema import ServerEvent, ServerEventRow, StepRow
 from calculet_sim.device import DeviceModel
 from calculet_sim.faults import FaultInjector
+from calculet_sim.prefix_cache import PrefixCache
 from calculet_sim.profile import Profile
-from calculet_sim.tokens import EOS, WORD_BASE, OutputModel, key_of, splitmix64
+from calculet_sim.tokens import EOS, WORD_BASE, OutputModel, TextOut, Tokenizer, key_of, splitmix64
 from calculet_sim.traces import TraceWriter, now_ns
 
 UINT32_MAX = 2**32 - 1
@@ -45,14 +46,18 @@ class Reject(Exception):
 
 class GenRequest:
     __slots__ = (
+        "cache_prompt",
+        "followup",
         "ignore_eos",
         "length_field",
         "max_tokens",
         "model",
         "prompt_ids",
+        "protocol",
         "request_id",
         "seed",
         "temperature",
+        "thinking",
     )
 
     def __init__(
@@ -66,6 +71,10 @@ class GenRequest:
         seed: int | None = None,
         model: str | None = None,
         length_field: str = "max_tokens",
+        protocol: str = "llama",
+        cache_prompt: bool = True,
+        thinking: bool = True,
+        followup: Callable[[str], list[int]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -76,6 +85,13 @@ class GenRequest:
         self.model = model
         # The wire name of max_tokens (n_predict on llama.cpp), for error messages.
         self.length_field = length_field
+        self.protocol = protocol
+        # whether the prefix cache serves and keeps it (llama.cpp's cache_prompt)
+        self.cache_prompt = cache_prompt
+        # a reasoning model thinks first unless told not to (enable_thinking: false)
+        self.thinking = thinking
+        # the ids a next turn sends for this prompt and its answer text
+        self.followup = followup
 
 
 # Items on a sequence's output queue.
@@ -101,6 +117,7 @@ class Seq:
         self.slot_held = False
         self.kv_reserved = 0
         self.kv_used = 0
+        self.cached_tokens = 0  # of the prompt, served by the prefix cache
         self.lease: int | None = None
         self.shared_lease = False
         self.busy = False
@@ -125,10 +142,17 @@ class Job:
 class Engine:
     """State of one simulated Calculet instance."""
 
-    def __init__(self, profile: Profile, traces: TraceWriter, faults: FaultInjector) -> None:
+    def __init__(
+        self, profile: Profile, traces: TraceWriter, faults: FaultInjector, tok: Tokenizer
+    ) -> None:
         self.p = profile
         self.traces = traces
         self.faults = faults
+        self.tok = tok
+        pc = profile.prefix_cache
+        self.cache = PrefixCache(
+            pc.block_tokens, pc.capacity_tokens or profile.scheduling.kv_budget_tokens
+        )
         self.scale = 0.0 if profile.firehose else profile.time_scale
         self.rng = random.Random(profile.seed)
         self.device = DeviceModel(profile.device)
@@ -280,15 +304,27 @@ class Engine:
                 max_new = sched.max_context - n_prompt
         return max(max_new, 1)
 
-    def output_model(self, req: GenRequest) -> OutputModel:
-        out = self.p.output
+    def output_model(self, req: GenRequest, max_new: int) -> OutputModel:
+        out, think = self.p.output, self.p.reasoning
+        reasoning = 0
+        if think.enabled and req.thinking:
+            reasoning = min(think.tokens, int(think.max_share * max_new))
         return OutputModel(
             self._sampling_key(req),
-            out.vocab_size,
+            self.tok.words,
             out.multibyte_rate,
             out.eos_probability,
             req.ignore_eos,
+            reasoning,
+            self.tok.think_ids,
         )
+
+    def text_out(self, req: GenRequest) -> TextOut:
+        """The text assembly of one response: chat splits a reasoning model's thoughts
+        off when the profile says `separate`; completions carry them inline."""
+        think = self.p.reasoning
+        separate = think.enabled and think.format == "separate" and req.protocol == "chat"
+        return TextOut(self.tok, self.p.output.utf8_holdback, separate)
 
     def accept(self, req: GenRequest) -> Seq:
         """Validate lengths (400 before submit, device untouched) and create the sequence."""
@@ -296,7 +332,7 @@ class Engine:
         max_new = self.output_limit(req)
         if self.state in ("stopped", "failed"):
             raise Reject(503, "unavailable", f"instance is {self.state}")
-        seq = Seq(next(self._seq_ids), req, self.output_model(req), max_new)
+        seq = Seq(next(self._seq_ids), req, self.output_model(req, max_new), max_new)
         seq.generation = self.generation
         seq.ready_mono = time.monotonic_ns()
         self.event(
@@ -408,6 +444,11 @@ class Engine:
     def _admit_now(self, seq: Seq, need: int, shared: bool) -> None:
         seq.kv_reserved = need
         self.kv_allocated += need
+        if self.p.prefix_cache.enabled:
+            if seq.req.cache_prompt:
+                # the reservation holds the prefix from here on: eviction cannot take it
+                seq.cached_tokens = self.cache.lookup(seq.req.prompt_ids)
+            self.cache.shrink_to(self.kv_free())
         if shared:
             seq.lease = next(iter(self.leases))
             seq.shared_lease = True
@@ -422,7 +463,11 @@ class Engine:
         self._prefill.append(seq)
         if not seq.admitted.done():
             seq.admitted.set_result(None)
-        self.event(ServerEvent.ADMITTED, seq, detail={"kv_reserved": need, "lease": seq.lease})
+        self.event(
+            ServerEvent.ADMITTED,
+            seq,
+            detail={"kv_reserved": need, "lease": seq.lease, "cached_tokens": seq.cached_tokens},
+        )
         self._work.set()
 
     def wake_later(self, delay_ms: float) -> None:
@@ -574,8 +619,12 @@ class Engine:
         t = self.p.timing
         b = self.p.scheduling.compiled_batch
         if job.kind == "prefill":
-            n = job.seqs[0].prompt_len
-            ms = t.prefill_base_ms + t.prefill_per_token_ms * n + t.prefill_per_token_sq_ms * n * n
+            # The uncached tokens are computed, each attending to the whole prompt: the
+            # quadratic term is what P tokens cost beyond what the cached C did.
+            seq = job.seqs[0]
+            n, c = seq.prompt_len, seq.cached_tokens
+            ms = t.prefill_base_ms + t.prefill_per_token_ms * (n - c)
+            ms += t.prefill_per_token_sq_ms * (n * n - c * c)
             ms *= self._slowdown(n)
             if self._warm_left > 0:
                 self._warm_left -= 1
@@ -588,7 +637,9 @@ class Engine:
 
     def _host_pre_ms(self, job: Job) -> tuple[float, float, float]:
         t = self.p.timing
-        tokens = sum(s.prompt_len if job.kind == "prefill" else 1 for s in job.seqs)
+        # a prefill sends its uncached tokens, a decode step one token per lane
+        prefill = job.kind == "prefill"
+        tokens = sum(s.prompt_len - s.cached_tokens if prefill else 1 for s in job.seqs)
         return t.prepare_ms, t.h2d_base_ms + t.h2d_ms_per_mtoken * tokens / 1e6, t.bf16_ms
 
     # ----------------------------------------------------------------- a job
@@ -633,10 +684,26 @@ class Engine:
             detail={"finish_reason": reason, "output_tokens": seq.n_generated},
         )
         seq.out.put_nowait(("finish", reason))
+        self._cache_followup(seq)
         if self.metrics is not None:
             self.metrics.seq_len.observe(seq.prompt_len + seq.n_generated)
         self._leak(seq)
         self.release(seq)
+
+    def cache_prompt(self, seq: Seq) -> None:
+        """Its prefill done, a prompt's blocks are computed KV: later prompts may share it."""
+        if self.p.prefix_cache.enabled and seq.req.cache_prompt:
+            self.cache.insert(seq.req.prompt_ids, self.kv_free())
+
+    def _cache_followup(self, seq: Seq) -> None:
+        """A finished request leaves what its next turn sends: the prompt and the answer
+        as the client got its text (re-encoded, and in a chat template's assistant
+        message), so a conversation's next turn hits all of its whole blocks."""
+        req = seq.req
+        if self.p.prefix_cache.enabled and req.cache_prompt and req.followup is not None:
+            _, answer = self.text_out(req).whole(seq.ids)
+            # its own reservation is free once released: the room counts it
+            self.cache.insert(req.followup(answer), self.kv_free() + seq.kv_reserved)
 
     def _leak(self, seq: Seq) -> None:
         leak = self.p.knobs.leak

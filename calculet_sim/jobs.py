@@ -275,9 +275,12 @@ def _deliver(
             continue  # drained; the result is not delivered
         if eng.traces.enabled("steps"):
             kv_after = seq.prompt_len + step
-            kv_before = 0 if job.kind == "prefill" else kv_after - 1
+            # a prefill starts from the prompt's cached prefix
+            kv_before = seq.cached_tokens if job.kind == "prefill" else kv_after - 1
             row_ms = dict(ms, queue=queue_ms[seq.seq_id])
             eng.traces.write("steps", eng.step_row(job, seq, row_ms, step, kv_before, kv_after))
+        if job.kind == "prefill":
+            eng.cache_prompt(seq)
         if tok == EOS:
             eng.finish(seq, "stop")
             continue

@@ -44,6 +44,8 @@ def _fail_active(eng: Engine, status: int, code: str, message: str) -> int:
 
 
 def _switch_generation(eng: Engine, reason: str) -> None:
+    # a reset or a new artifact leaves no KV behind: nothing cached survives it
+    eng.cache.clear()
     before = eng.generation
     eng.generation += 1
     eng.generation_changes += 1

@@ -44,6 +44,11 @@ class _EngineCollector(Collector):
                 e.leases_quarantined,
             ),
             "calculet_generation": ("Model generation", e.generation),
+            "calculet_prefix_cache_tokens": ("Tokens held by the prefix cache", e.cache.tokens),
+            "calculet_prefix_cache_capacity_tokens": (
+                "Prefix cache capacity (0: the cache is off)",
+                e.cache.capacity_tokens if e.p.prefix_cache.enabled else 0,
+            ),
             # a rehearsal's clock: real seconds per simulated second (the harness turns
             # resource slopes into per-hour-of-server-time with it)
             "calculet_sim_time_scale": ("Simulator time scale", e.p.time_scale),
@@ -74,6 +79,19 @@ class _EngineCollector(Collector):
                 e.counters["runtime_rc18"],
             ),
             "calculet_requests_finished": ("Requests finished", e.counters["finished"]),
+            # as vLLM's prefix_cache_queries and prefix_cache_hits: tokens, not requests
+            "calculet_prefix_cache_queried_tokens": (
+                "Prompt tokens looked up in the prefix cache",
+                e.cache.queried_tokens,
+            ),
+            "calculet_prefix_cache_hit_tokens": (
+                "Prompt tokens served from the prefix cache",
+                e.cache.hit_tokens,
+            ),
+            "calculet_prefix_cache_evicted_blocks": (
+                "Prefix cache blocks evicted",
+                e.cache.evicted_blocks,
+            ),
             "calculet_requests_cancelled": (
                 "Requests cancelled by the client",
                 e.counters["cancelled"],

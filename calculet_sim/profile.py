@@ -96,6 +96,34 @@ class Output(_Strict):
     reject_unknown_models: bool = False
 
 
+class PrefixCache(_Strict):
+    """Automatic prefix caching: a prompt's cached prefix costs no prefill."""
+
+    enabled: bool = True
+    # Cached KV is KV memory: vLLM keeps cached blocks in its KV pool and llama.cpp in its
+    # slots' cells, reclaimed when running requests need them. So the cache holds at most
+    # this (None: scheduling.kv_budget_tokens) and never more than the KV budget that
+    # running requests leave unreserved.
+    capacity_tokens: int | None = Field(default=None, gt=0)
+    # Hits are whole blocks, as vLLM's (16 tokens by default there too).
+    block_tokens: int = Field(default=16, gt=0)
+
+
+class Reasoning(_Strict):
+    """A reasoning model's thinking phase before its answer (qwen3)."""
+
+    enabled: bool = False
+    # Tokens of the phase, `<think>` and `</think>` included; at most `max_share` of a
+    # request's max tokens, which bound reasoning and answer together (as vLLM's do).
+    # A phase shorter than 2 tokens is none.
+    tokens: int = Field(default=256, ge=0)
+    max_share: float = Field(default=0.5, ge=0, le=1)
+    # separate: chat deltas carry `reasoning_content`, then `content` (vLLM's reasoning
+    # parser, llama.cpp --reasoning-format deepseek); inline: `<think>...</think>` in the
+    # content (llama.cpp --reasoning-format none). Completions are always inline.
+    format: Literal["separate", "inline"] = "separate"
+
+
 class Device(_Strict):
     chips: int = Field(default=2, gt=0)
     ambient_c: float = 30.0
@@ -156,6 +184,8 @@ class Profile(_Strict):
     timing: Timing = Field(default_factory=Timing)
     scheduling: Scheduling = Field(default_factory=Scheduling)
     output: Output = Field(default_factory=Output)
+    prefix_cache: PrefixCache = Field(default_factory=PrefixCache)
+    reasoning: Reasoning = Field(default_factory=Reasoning)
     device: Device = Field(default_factory=Device)
     knobs: Knobs = Field(default_factory=Knobs)
     traces: Traces = Field(default_factory=Traces)

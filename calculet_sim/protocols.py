@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from calculet_sim.engine import GenRequest, Reject
@@ -60,6 +61,23 @@ def _prompt_ids(value: Any, tok: Tokenizer, field: str) -> list[int]:
                 )
         return list(value)
     raise Reject(400, "invalid_request", f"{field}: expected a string or a list of token ids")
+
+
+def _followup(
+    protocol: str, prompt: Any, ids: list[int], tok: Tokenizer
+) -> Callable[[str], list[int]]:
+    """The ids a next turn sends for this prompt and its answer text, verbatim: what the
+    prefix cache keeps of a finished request (the answer's text re-encodes to other ids
+    than the generated ones)."""
+    if protocol == "chat":
+        # As a message, the answer follows the assistant role at once: the primer's
+        # closing newline is not part of it.
+        head, end = ids[:-1], tok.special("<|im_end|>")
+        assert end is not None
+        return lambda answer: [*head, *tok.encode(answer), end, NEWLINE]
+    if isinstance(prompt, str):
+        return lambda answer: tok.encode_more(prompt, ids, answer)
+    return lambda answer: [*ids, *tok.encode(answer)]
 
 
 def _chat_ids(messages: Any, tok: Tokenizer) -> list[int]:
@@ -134,8 +152,13 @@ def parse_request(
     opts_raw = _field(body, "stream_options", (dict,), {})
     include = _field(opts_raw, "include_usage", (bool,), False, "stream_options.")
     continuous = _field(opts_raw, "continuous_usage_stats", (bool,), False, "stream_options.")
-    _field(body, "cache_prompt", (bool,), True)
+    # llama.cpp's default is true; the OpenAI endpoints cache whenever the server does
+    cache_prompt = _field(body, "cache_prompt", (bool,), True) or protocol != "llama"
     _field(body, "return_tokens", (bool,), True)
+    # vLLM's switch of a reasoning model's thinking (Qwen3's chat template reads it)
+    kwargs = _field(body, "chat_template_kwargs", (dict,), {})
+    thinking = _field(kwargs, "enable_thinking", (bool,), True, "chat_template_kwargs.")
+    prompt = body.get("prompt")
     req = GenRequest(
         request_id,
         ids,
@@ -145,6 +168,10 @@ def parse_request(
         seed=_int_field(body, "seed", None),
         model=_field(body, "model", (str,), None),
         length_field=length_field,
+        protocol=protocol,
+        cache_prompt=cache_prompt,
+        thinking=thinking,
+        followup=_followup(protocol, prompt, ids, tok),
     )
     opts = Options(protocol, stream, include, continuous)
     return req, opts
@@ -156,26 +183,48 @@ def dumps(obj: Any) -> str:
 
 
 class Formatter:
-    """Builds the events of one response. `usage(n)` is cumulative output tokens."""
+    """Builds the events of one response. `usage(n, r)`: cumulative output tokens, r of
+    them reasoning.
+
+    Every usage object says how many prompt tokens the prefix cache served
+    (`prompt_tokens_details.cached_tokens`, 0 when none or the cache is off); a
+    reasoning model's also says how many output tokens were reasoning
+    (`completion_tokens_details.reasoning_tokens`). llama.cpp says the former in
+    `timings.cache_n`.
+    """
 
     def __init__(
-        self, opts: Options, req: GenRequest, model_name: str, fingerprint: str = "calculet-sim"
+        self,
+        opts: Options,
+        req: GenRequest,
+        model_name: str,
+        fingerprint: str = "calculet-sim",
+        cached_tokens: int = 0,
+        reasoning_model: bool = False,
     ) -> None:
         self.o = opts
         self.prompt_tokens = len(req.prompt_ids)
+        self.cached = {"cached_tokens": cached_tokens}  # the same in every usage object
+        self.reasoning_model = reasoning_model
         self.model = req.model or model_name
         self.created = int(time.time())
         self.id = ("chatcmpl-" if opts.protocol == "chat" else "cmpl-") + req.request_id
         self.fingerprint = fingerprint
 
-    def usage(self, n: int) -> dict[str, int]:
-        return {
+    def usage(self, n: int, n_reasoning: int = 0) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": n,
             "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": self.cached,
         }
+        if self.reasoning_model:
+            out["completion_tokens_details"] = {"reasoning_tokens": n_reasoning}
+        return out
 
-    def _chunk(self, choices: list[dict[str, Any]], n: int, final_usage: bool = False) -> str:
+    def _chunk(
+        self, choices: list[dict[str, Any]], n: int, n_reasoning: int, final_usage: bool = False
+    ) -> str:
         obj: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.o.protocol == "chat" else "text_completion",
@@ -185,17 +234,27 @@ class Formatter:
             "choices": choices,
         }
         if self.o.continuous_usage or final_usage:
-            obj["usage"] = self.usage(n)
+            obj["usage"] = self.usage(n, n_reasoning)
         return dumps(obj)
 
     def start(self) -> list[str]:
         if self.o.protocol == "chat":
             choice = {"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None}
             choice["finish_reason"] = None
-            return [self._chunk([choice], 0)]
+            return [self._chunk([choice], 0, 0)]
         return []
 
-    def tokens(self, text: str, ids: list[int], n_total: int, nan: bool) -> str:
+    def tokens(
+        self,
+        text: str,
+        ids: list[int],
+        n_total: int,
+        nan: bool,
+        reasoning: str = "",
+        n_reasoning: int = 0,
+    ) -> str:
+        """One token event: `text` is the answer's, `reasoning` the thoughts' (chat with
+        separate reasoning only: elsewhere the thoughts are inline in `text`)."""
         logprob = {"logprob": float("nan")} if nan else None
         if self.o.protocol == "llama":
             obj: dict[str, Any] = {
@@ -210,10 +269,14 @@ class Formatter:
             if logprob:
                 obj["probs"] = [logprob]
             return dumps(obj)
-        key = "delta" if self.o.protocol == "chat" else "text"
-        payload: Any = {"content": text} if key == "delta" else text
-        choice = {"index": 0, key: payload, "logprobs": logprob, "finish_reason": None}
-        return self._chunk([choice], n_total)
+        if self.o.protocol == "chat":
+            delta: dict[str, str] = {"reasoning_content": reasoning} if reasoning else {}
+            if text or not reasoning:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": logprob, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprob, "finish_reason": None}
+        return self._chunk([choice], n_total, n_reasoning)
 
     def _llama_final(
         self, text: str, ids: list[int], reason: str, n: int, timings: dict[str, float]
@@ -233,19 +296,22 @@ class Formatter:
             "truncated": False,
             "stop_type": "eos" if reason == "stop" else "limit",
             "stopping_word": "",
+            # the tokens in the slot's KV once done (llama.cpp's n_past)
             "tokens_cached": self.prompt_tokens + n,
             "timings": timings,
         }
 
-    def finish(self, reason: str, n_total: int, timings: dict[str, float]) -> list[str]:
+    def finish(
+        self, reason: str, n_total: int, timings: dict[str, float], n_reasoning: int = 0
+    ) -> list[str]:
         if self.o.protocol == "llama":
             return [dumps(self._llama_final("", [], reason, n_total, timings))]
         key = "delta" if self.o.protocol == "chat" else "text"
         choice = {"index": 0, key: {} if key == "delta" else "", "logprobs": None}
         choice["finish_reason"] = reason
-        events = [self._chunk([choice], n_total)]
+        events = [self._chunk([choice], n_total, n_reasoning)]
         if self.o.include_usage:
-            events.append(self._chunk([], n_total, final_usage=True))
+            events.append(self._chunk([], n_total, n_reasoning, final_usage=True))
         events.append("[DONE]")
         return events
 
@@ -254,9 +320,18 @@ class Formatter:
         return [dumps(err)] if self.o.protocol == "llama" else [dumps(err), "[DONE]"]
 
     def whole(
-        self, text: str, ids: list[int], reason: str, n: int, timings: dict[str, float], nan: bool
+        self,
+        text: str,
+        ids: list[int],
+        reason: str,
+        n: int,
+        timings: dict[str, float],
+        nan: bool,
+        reasoning: str | None = None,
+        n_reasoning: int = 0,
     ) -> dict[str, Any]:
-        """The non-streaming response body."""
+        """The non-streaming response body; `reasoning` (chat with separate reasoning
+        only) becomes `message.reasoning_content`."""
         if self.o.protocol == "llama":
             final = self._llama_final(text, ids, reason, n, timings)
             if nan:
@@ -264,9 +339,12 @@ class Formatter:
             return final
         logprobs = {"logprob": float("nan")} if nan else None
         if self.o.protocol == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning or None
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": reason,
             }
@@ -281,16 +359,20 @@ class Formatter:
             "model": self.model,
             "system_fingerprint": self.fingerprint,
             "choices": [choice],
-            "usage": self.usage(n),
+            "usage": self.usage(n, n_reasoning),
         }
 
 
 def timings(
-    prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float
+    prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float, cache_n: int = 0
 ) -> dict[str, float]:
-    """llama.cpp-style `timings` (milliseconds of real time as this server measured them)."""
+    """llama.cpp-style `timings` (milliseconds of real time as this server measured them).
+
+    As llama.cpp's: `cache_n` prompt tokens came from the cache and `prompt_n` were
+    computed (the prompt is their sum, `tokens_evaluated`)."""
+    prompt_n -= cache_n
     return {
-        "cache_n": 0,
+        "cache_n": cache_n,
         "prompt_n": prompt_n,
         "prompt_ms": round(prompt_ms, 3),
         "prompt_per_token_ms": round(prompt_ms / prompt_n, 6) if prompt_n else 0.0,

@@ -23,7 +23,7 @@ from calculet_sim.faults import FaultInjector
 from calculet_sim.metrics import SimMetrics
 from calculet_sim.profile import Profile
 from calculet_sim.protocols import Formatter, Options, dumps, parse_request, timings
-from calculet_sim.tokens import EOS, Tokenizer, Utf8Stream
+from calculet_sim.tokens import EOS, Tokenizer
 from calculet_sim.traces import TRACE_FILES, TraceWriter, now_ns
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -66,13 +66,13 @@ class Sim:
 
     def __init__(self, profile: Profile, trace_dir: Path | None) -> None:
         self.profile = profile
-        self.tok = Tokenizer(profile.output.vocab_size)
+        self.tok = Tokenizer(profile.output.vocab_size, profile.reasoning.enabled)
         tr = profile.traces
         self.traces = TraceWriter(
             trace_dir, {"server_events": tr.server_events, "steps": tr.steps, "device": tr.device}
         )
         self.faults = FaultInjector(profile.seed)
-        self.engine = Engine(profile, self.traces, self.faults)
+        self.engine = Engine(profile, self.traces, self.faults, self.tok)
         self.metrics = SimMetrics(self.engine)
         self.engine.metrics = self.metrics
         self._rid_counter = 0
@@ -98,9 +98,11 @@ class Sim:
         except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
             raise Reject(400, "invalid_json", f"body: {exc}") from None
 
-    def formatter(self, opts: Options, req: GenRequest) -> Formatter:
-        fingerprint = self.profile.versions.get("server_commit", "calculet-sim")
-        return Formatter(opts, req, self.profile.output.model_name, fingerprint)
+    def formatter(self, opts: Options, req: GenRequest, cached_tokens: int = 0) -> Formatter:
+        p = self.profile
+        fingerprint = p.versions.get("server_commit", "calculet-sim")
+        reasoning = p.reasoning.enabled
+        return Formatter(opts, req, p.output.model_name, fingerprint, cached_tokens, reasoning)
 
     # ------------------------------------------------------------- generation
     def endpoint(self, protocol: str) -> Handler:
@@ -152,8 +154,8 @@ class Sim:
         resp = web.StreamResponse(headers=self._headers(req.request_id))
         await resp.prepare(request)
         _nodelay(request)
-        fmt = self.formatter(opts, req)
-        utf8 = Utf8Stream(out.utf8_holdback)
+        fmt = self.formatter(opts, req, seq.cached_tokens)
+        text_out = self.engine.text_out(req)
         k = out.tokens_per_event
         group: list[tuple[int, int]] = []  # (token id, step) not yet sent
         held = 0  # tokens inside `group` merged from a held-back event
@@ -176,13 +178,17 @@ class Sim:
                 if request.transport is not None:
                     request.transport.close()
                 return resp
-            text = utf8.feed(b"".join(self.tok.piece(t) for t, _ in group[held:]))
+            said, text = text_out.feed([t for t, _ in group[held:]])
             if kind == "finish":
-                text += utf8.flush()
-            if group and (text or kind != "token"):
+                said_end, text_end = text_out.flush()
+                said, text = said + said_end, text + text_end
+            # a token without text (one ending inside a character, a reasoning tag given
+            # apart) is held back and merged into the next event
+            if group and (text or said or kind != "token"):
                 # At the end, held tokens flush without a newer one: name the last.
                 ids = [t for t, _ in group[held:]] or [group[-1][0]]
-                ev = fmt.tokens(text, ids, seq.n_generated_sent + len(group), nan_any)
+                n_sent = seq.n_generated_sent + len(group)
+                ev = fmt.tokens(text, ids, n_sent, nan_any, said, text_out.reasoning_tokens)
                 data = b"data: " + ev.encode() + b"\n\n"
                 t_write = time.monotonic_ns()  # no byte of the event left before this
                 await resp.write(data)
@@ -194,10 +200,11 @@ class Sim:
                 continue
             if kind == "finish":
                 prompt_ms = (t_first - t_admitted) / 1e6 if t_first else 0.0
+                n = seq.n_generated_sent
                 tm = timings(
-                    len(req.prompt_ids), prompt_ms, seq.n_generated_sent, (t_last - t_first) / 1e6
+                    len(req.prompt_ids), prompt_ms, n, (t_last - t_first) / 1e6, seq.cached_tokens
                 )
-                for ev in fmt.finish(item[1], seq.n_generated_sent, tm):
+                for ev in fmt.finish(item[1], n, tm, text_out.reasoning_tokens):
                     await resp.write(b"data: " + ev.encode() + b"\n\n")
                 break
             if kind == "error":
@@ -247,12 +254,10 @@ class Sim:
             if item[0] == "abort":
                 raise Reject(503, "shutting_down", "instance shut down mid-request")
             break
-        utf8 = Utf8Stream(self.profile.output.utf8_holdback)
-        text = utf8.feed(b"".join(self.tok.piece(t) for t in ids)) + utf8.flush()
         prompt_ms = (t_first - t_admitted) / 1e6 if t_first else 0.0
-        tm = timings(len(req.prompt_ids), prompt_ms, len(ids), (t_last - t_first) / 1e6)
-        fmt = self.formatter(opts, req)
-        body = fmt.whole(text, ids, item[1], len(ids), tm, nan)
+        cached = seq.cached_tokens
+        tm = timings(len(req.prompt_ids), prompt_ms, len(ids), (t_last - t_first) / 1e6, cached)
+        body = self._whole_body(opts, req, ids, item[1], tm, nan, cached)
         # a whole response goes out once the handler returns: both stamps precede its bytes
         self._flushed(seq, steps, time.monotonic_ns())
         return web.Response(
@@ -260,6 +265,16 @@ class Sim:
             content_type="application/json",
             headers={"X-Request-Id": req.request_id},
         )
+
+    def _whole_body(
+        self, opts: Options, req: GenRequest, ids: list[int], reason: str,
+        tm: dict[str, float], nan: bool, cached_tokens: int,
+    ) -> dict[str, object]:  # fmt: skip
+        text_out = self.engine.text_out(req)
+        said, text = text_out.whole(ids)
+        fmt = self.formatter(opts, req, cached_tokens)
+        reasoning = said if text_out.separate else None
+        return fmt.whole(text, ids, reason, len(ids), tm, nan, reasoning, text_out.reasoning_tokens)
 
     async def _firehose(
         self, request: web.Request, req: GenRequest, opts: Options
@@ -271,7 +286,7 @@ class Sim:
         """
         out = self.profile.output
         limit = self.engine.output_limit(req)
-        model = self.engine.output_model(req)
+        model = self.engine.output_model(req, limit)
         ids_all: list[int] = []
         for i in range(limit):
             tok = model.token_at(i)
@@ -281,11 +296,8 @@ class Sim:
         n = len(ids_all)
         reason = "length" if n == limit else "stop"
         tm = timings(len(req.prompt_ids), 0, n, 0)
-        fmt = self.formatter(opts, req)
-        utf8 = Utf8Stream(out.utf8_holdback)
         if not opts.stream:
-            text = utf8.feed(b"".join(self.tok.piece(t) for t in ids_all)) + utf8.flush()
-            body = fmt.whole(text, ids_all, reason, n, tm, False)
+            body = self._whole_body(opts, req, ids_all, reason, tm, False, 0)
             return web.Response(
                 text=dumps(body),
                 content_type="application/json",
@@ -294,22 +306,26 @@ class Sim:
         resp = web.StreamResponse(headers=self._headers(req.request_id))
         await resp.prepare(request)
         _nodelay(request)
+        fmt = self.formatter(opts, req)
+        text_out = self.engine.text_out(req)
         k = out.tokens_per_event
         per_write = self.profile.firehose_tokens_per_write
         parts = [b"data: " + e.encode() + b"\n\n" for e in fmt.start()]
         in_parts = 0  # tokens in `parts`
         for i in range(0, n, k):
             ids = ids_all[i : i + k]
-            text = utf8.feed(b"".join(self.tok.piece(t) for t in ids))
+            said, text = text_out.feed(ids)
             if i + k >= n:
-                text += utf8.flush()
-            parts.append(b"data: " + fmt.tokens(text, ids, i + len(ids), False).encode() + b"\n\n")
+                said_end, text_end = text_out.flush()
+                said, text = said + said_end, text + text_end
+            ev = fmt.tokens(text, ids, i + len(ids), False, said, text_out.reasoning_tokens)
+            parts.append(b"data: " + ev.encode() + b"\n\n")
             in_parts += len(ids)
             if in_parts >= per_write:
                 await resp.write(b"".join(parts))
                 parts, in_parts = [], 0
                 await asyncio.sleep(0)
-        for ev in fmt.finish(reason, n, tm):
+        for ev in fmt.finish(reason, n, tm, text_out.reasoning_tokens):
             parts.append(b"data: " + ev.encode() + b"\n\n")
         await resp.write(b"".join(parts))
         await resp.write_eof()

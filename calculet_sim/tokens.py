@@ -22,6 +22,10 @@ NEWLINE = BYTE_BASE + 0x0A
 # never use them, and every id the server hands out (a chat template from /tokenize
 # included) is inside the vocabulary, so it can be sent back as a prompt.
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "system", "user", "assistant", "tool")
+# A reasoning model's tags sit just below them, in its vocabulary only: adding them to
+# every vocabulary would shrink the word range and move every word id (and every golden
+# token hash) of the models without a reasoning phase.
+REASONING_TOKENS = ("<think>", "</think>")
 
 _PIECE = re.compile(r"\s*\S{1,8}|\s+")
 _SYLLABLES = (
@@ -45,9 +49,9 @@ def key_of(ids: Sequence[int]) -> int:
     return int.from_bytes(digest, "little")
 
 
-def n_words(vocab_size: int) -> int:
+def n_words(vocab_size: int, reasoning: bool = False) -> int:
     """How many word-piece ids a vocabulary has (between the bytes and the specials)."""
-    return vocab_size - WORD_BASE - len(SPECIAL_TOKENS)
+    return vocab_size - WORD_BASE - len(SPECIAL_TOKENS) - (len(REASONING_TOKENS) * reasoning)
 
 
 def token_hash(ids: Sequence[int]) -> str:
@@ -56,21 +60,30 @@ def token_hash(ids: Sequence[int]) -> str:
 
 
 class Tokenizer:
-    """Word-piece tokenizer over a vocabulary of `vocab_size` ids."""
+    """Word-piece tokenizer over a vocabulary of `vocab_size` ids; a reasoning model's
+    has the `<think>`/`</think>` tags too (`think_ids`)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, reasoning: bool = False) -> None:
         self.vocab_size = vocab_size
-        self._n_words = n_words(vocab_size)
+        self._specials = (REASONING_TOKENS if reasoning else ()) + SPECIAL_TOKENS
+        self.words = n_words(vocab_size, reasoning)  # word-piece ids
+        self.think_ids: tuple[int, int] | None = None
+        # the tags' text, in the cache of pieces: `piece` pays nothing for them
         self._pieces: dict[int, bytes] = {}
+        if reasoning:
+            start, end = (self._special_id(t) for t in REASONING_TOKENS)
+            self.think_ids = (start, end)
+            self._pieces = {start: REASONING_TOKENS[0].encode(), end: REASONING_TOKENS[1].encode()}
+
+    def _special_id(self, name: str) -> int:
+        return self.vocab_size - len(self._specials) + self._specials.index(name)
 
     def special(self, name: str) -> int | None:
         """The id of a special token of the chat template, None if there is no such one."""
-        if name not in SPECIAL_TOKENS:
-            return None
-        return self.vocab_size - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(name)
+        return self._special_id(name) if name in SPECIAL_TOKENS else None
 
     def encode(self, text: str) -> list[int]:
-        n = self._n_words
+        n = self.words
         return [
             WORD_BASE + int.from_bytes(hashlib.blake2b(m.encode(), digest_size=4).digest()) % n
             for m in _PIECE.findall(text)
@@ -78,6 +91,20 @@ class Tokenizer:
 
     def count(self, text: str) -> int:
         return len(_PIECE.findall(text))
+
+    def encode_more(self, text: str, ids: list[int], more: str) -> list[int]:
+        """`encode(text + more)`, given `ids == encode(text)`: only the text's last word
+        (where `more` may join it) is encoded again, not the whole text."""
+        # A piece ends wherever a non-space meets whitespace (`\S{1,8}` stops there and the
+        # next piece starts with `\s*`): encode again from the last such place.
+        body = text.rstrip()
+        k = len(body)
+        if k == len(text):  # no whitespace at the end: the last word may go on in `more`
+            while k and not body[k - 1].isspace():
+                k -= 1
+            k = len(body[:k].rstrip())
+        tail = text[k:]
+        return [*ids[: len(ids) - self.count(tail)], *self.encode(tail + more)]
 
     def piece(self, token_id: int) -> bytes:
         """The bytes a token contributes to the output text."""
@@ -100,33 +127,54 @@ class OutputModel:
 
     `key` identifies (prompt, sampling); the same key always yields the same ids.
     A multi-byte character occupies consecutive byte tokens.
+
+    A reasoning phase of `reasoning` tokens (a reasoning model's `think_ids` given) comes
+    first: `<think>`, plain words, `</think>`. Its thoughts are whole words (no character
+    spans the closing tag) and it has no EOS (a model does not stop mid-thought).
     """
 
-    __slots__ = ("_eos_p", "_key", "_mb_rate", "_n_words", "_pending", "ignore_eos")
+    __slots__ = (
+        "_eos_p", "_key", "_mb_rate", "_n_words", "_pending", "_reasoning", "_tags", "ignore_eos"
+    )  # fmt: skip
 
     def __init__(
         self,
         key: int,
-        vocab_size: int,
+        words: int,
         multibyte_rate: float,
         eos_probability: float,
         ignore_eos: bool,
+        reasoning: int = 0,
+        think_ids: tuple[int, int] | None = None,
     ) -> None:
         self._key = key
-        self._n_words = n_words(vocab_size)
+        self._n_words = words
         self._mb_rate = int(multibyte_rate * 1_000_000)
         self._eos_p = int(eos_probability * 1_000_000)
         self.ignore_eos = ignore_eos
         self._pending: list[int] = []
+        self._tags = think_ids or (EOS, EOS)
+        self._reasoning = reasoning if think_ids is not None and reasoning >= 2 else 0
 
     def rekey(self, key: int) -> None:
         """Switch the sampling key (a new model generation computes other logits)."""
         self._key = key
 
+    @property
+    def reasoning(self) -> int:
+        """Tokens of the reasoning phase, both tags included (0: none)."""
+        return self._reasoning
+
     def token_at(self, position: int) -> int:
         if self._pending:
             return self._pending.pop(0)
         r = splitmix64(self._key ^ (position * 0x9E3779B97F4A7C15 & _MASK64))
+        if position < self._reasoning:
+            if position == 0:
+                return self._tags[0]
+            if position == self._reasoning - 1:
+                return self._tags[1]
+            return WORD_BASE + (r >> 44) % self._n_words
         if not self.ignore_eos and (r & 0xFFFFF) % 1_000_000 < self._eos_p:
             return EOS
         if ((r >> 20) & 0xFFFFF) % 1_000_000 < self._mb_rate:
@@ -169,6 +217,64 @@ class Utf8Stream:
     def flush(self) -> str:
         buf, self._buf = self._buf, b""
         return buf.decode("utf-8", errors="replace")
+
+
+class TextOut:
+    """One response's generated ids as the text it carries: `feed` returns the new
+    (reasoning, answer) text; `reasoning_tokens` counts the reasoning phase's tokens, its
+    tags included (OpenAI's `completion_tokens_details.reasoning_tokens`).
+
+    `separate` (vLLM's reasoning parser, llama.cpp `--reasoning-format deepseek`): the
+    thoughts are reasoning text and the tags no text at all. Otherwise the tags and the
+    thoughts are answer text (`<think> ... </think>` inline, llama.cpp `none`), and the
+    reasoning text stays empty. A tokenizer without tags has a fast path.
+    """
+
+    __slots__ = ("_answer", "_in_thought", "_reasoning", "_tags", "_tok", "reasoning_tokens")
+
+    def __init__(self, tok: Tokenizer, holdback: bool, separate: bool) -> None:
+        self._tok = tok
+        self._tags = tok.think_ids
+        self._answer = Utf8Stream(holdback)
+        # thoughts are whole words: no character to hold back
+        self._reasoning = Utf8Stream(holdback) if separate else None
+        self._in_thought = False
+        self.reasoning_tokens = 0
+
+    def feed(self, ids: Sequence[int]) -> tuple[str, str]:
+        piece = self._tok.piece
+        if self._tags is None:
+            return "", self._answer.feed(b"".join(piece(t) for t in ids))
+        start, end = self._tags
+        thought: list[bytes] = []
+        answer: list[bytes] = []
+        for t in ids:
+            if t == start or self._in_thought:
+                self.reasoning_tokens += 1
+                self._in_thought = t != end
+                if self._reasoning is None:
+                    answer.append(piece(t))
+                elif t != start and t != end:
+                    thought.append(piece(t))
+            else:
+                answer.append(piece(t))
+        said = self._reasoning.feed(b"".join(thought)) if self._reasoning else ""
+        return said, self._answer.feed(b"".join(answer)) if answer else ""
+
+    @property
+    def separate(self) -> bool:
+        """Whether thoughts are reasoning text apart from the answer."""
+        return self._reasoning is not None
+
+    def flush(self) -> tuple[str, str]:
+        said = self._reasoning.flush() if self._reasoning else ""
+        return said, self._answer.flush()
+
+    def whole(self, ids: Sequence[int]) -> tuple[str, str]:
+        """The (reasoning, answer) text of all of `ids` at once."""
+        r1, a1 = self.feed(ids)
+        r2, a2 = self.flush()
+        return r1 + r2, a1 + a2
 
 
 def _complete_prefix(buf: bytes) -> int:

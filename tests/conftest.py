@@ -34,6 +34,7 @@ QUIET_LANES = {
     "tests/load/test_soak.py": 3,  # [40]
     "tests/analysis/test_e2e_stability.py": 3,  # [32]
     "tests/load/test_record_safety.py": 3,  # [9]
+    "tests/sim/test_prefix_cache_timing.py": 3,  # [10]
 }
 
 

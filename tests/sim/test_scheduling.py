@@ -60,7 +60,12 @@ def test_context_limit_truncate_policy(start_sim: StartSim) -> None:
     )
     assert status == 200, body
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": FULL, "completion_tokens": 1, "total_tokens": 40960}
+    assert body["usage"] == {
+        "prompt_tokens": FULL,
+        "completion_tokens": 1,
+        "total_tokens": 40960,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     # A prompt alone over the limit is still refused.
     status, body = sim.json("POST", COMPLETIONS, {"prompt": prompt_ids(40_961), "max_tokens": 1})
     assert status == 400 and body["error"]["message"].startswith("prompt")

@@ -92,7 +92,10 @@ def test_slowdown_near_33k_and_39k(start_sim: StartSim) -> None:
 
 
 def test_first_request_pays_warmup(start_sim: StartSim) -> None:
-    sim = start_sim("--time-scale", "0.05", "--set", "timing.jitter=0")
+    # one prompt three times, each prefill computing all of it: the cache off
+    sim = start_sim(
+        "--time-scale", "0.05", "--set", "timing.jitter=0", "--set", "prefix_cache.enabled=false"
+    )  # fmt: skip
     for i in range(3):
         llama(sim, prompt_ids(32), 2, rid=f"w{i}")
     steps = wait_steps(sim, ["w0", "w1", "w2"])
