@@ -35,6 +35,7 @@ QUIET_LANES = {
     "tests/analysis/test_e2e_stability.py": 3,  # [32]
     "tests/load/test_record_safety.py": 3,  # [9]
     "tests/sim/test_prefix_cache_timing.py": 3,  # [10]
+    "tests/load/test_conversations.py": 1,  # [17]
 }
 
 
