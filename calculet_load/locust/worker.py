@@ -300,7 +300,7 @@ class Worker:
         `kw`: its labels."""
         entry, sample = self.chooser.entry_for(k)
         if entry.kind == "conversation":
-            return SessionStart(k, entry, Labels(**kw))
+            return SessionStart(k, entry, Labels(**kw), entry.name)
         return RequestSpec(
             prompt=self.prompt(entry.prompt_tokens, sample),
             max_tokens=entry.max_tokens,

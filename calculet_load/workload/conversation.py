@@ -155,11 +155,13 @@ def run_session(
 @dataclasses.dataclass(frozen=True, slots=True)
 class SessionStart:
     """Arrival k of a conversation entry: a session of its turns, the first labelled
-    `labels` (an open loop's instant, a closed loop's concurrency)."""
+    `labels` (an open loop's instant, a closed loop's concurrency), every one counted
+    under `cell` (a Locust run's mix entry, an `accept` matrix cell)."""
 
     k: int
     entry: MixEntry
     labels: Labels
+    cell: str
 
 
 class Sessions:
@@ -199,7 +201,7 @@ class Sessions:
             self.caller,
             self.next_id(),
             shared_prefix_tokens=entry.system_prompt_tokens,
-            name=entry.name,
+            name=start.cell,
             labels=lambda: first.pop() if first else later,
         )
         return run_session(
@@ -221,7 +223,7 @@ class Sessions:
         return RequestSpec(
             prompt=Prompt.written(),
             max_tokens=start.entry.max_tokens,
-            cell=start.entry.name,
+            cell=start.cell,
             arrival=lb.arrival,
             intended_start_ns=lb.intended_start_ns,
             late_after_ms=lb.late_after_ms,

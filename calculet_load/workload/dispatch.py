@@ -380,7 +380,7 @@ class CellRunner:
         cell = share.cell
         entry, sample = chooser.entry_for(k)
         if entry.kind == "conversation":
-            return SessionStart(k, entry, Labels(**kw))
+            return SessionStart(k, entry, Labels(**kw), cell.name)
         return RequestSpec(
             prompt=self.prompt(entry.prompt_tokens, sample),
             max_tokens=entry.max_tokens,

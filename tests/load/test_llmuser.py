@@ -220,3 +220,15 @@ def test_no_text_is_written_anywhere(tmp_path: Path, sim: SimProcess) -> None:
     assert (run.run_dir / "report.html").exists()
     leaked = [t for t in texts if any(t in p for p in places)]
     assert not leaked, leaked
+
+
+def test_a_master_and_two_workers_run_the_users(tmp_path: Path, sim: SimProcess) -> None:
+    args = ["--protocol", "openai-chat", "-u", "4", "-r", "4"]
+    example = str(EXAMPLES / "two_turns.py")
+    run = LocustRun(tmp_path, sim.url, args, workers=2, run_time_s=8, locustfile=example).start()
+    assert run.wait() == 0, run.log_text()
+    rows = _rows(run.requests(), "ext.cell", "ext.worker", "ext.error_class")
+    done = [r for r in rows if r["ext.error_class"] is None]
+    assert {r["ext.worker"] for r in done} == {"w00", "w01"}
+    assert {r["ext.cell"] for r in done} == {"turn1", "turn2"}
+    assert run.index()["status"] == "complete"
