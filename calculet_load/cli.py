@@ -12,12 +12,15 @@ import os
 import sys
 from collections.abc import Callable
 
+from calculet_load.ranges import OneLineParser
+
 # name -> (module, help, add-arguments function, run function); the functions default to
 # the module's `add_arguments(parser)` and `run(args) -> int` (the exit code).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": (
         "calculet_load.commands.demo",
-        "start the embedded simulator and stream one request",
+        "a smoke acceptance rehearsal against the embedded simulator, ending in a signed "
+        "report and an exit code",
         "add_arguments",
         "run",
     ),
@@ -113,12 +116,13 @@ def _distributed_accept(argv: list[str]) -> bool:
     return argv[:1] == ["accept"] and any(a.split("=")[0] in flags for a in argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    if _distributed_accept(sys.argv[1:] if argv is None else argv):
-        # Locust monkey-patches the standard library when imported: before anything else
-        import locust  # noqa: F401
-
-    parser = argparse.ArgumentParser(
+def build_parser() -> tuple[
+    argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]
+]:
+    """The command line's parser and each subcommand's run function. A bad value or a
+    missing argument is one line (the command, the option, its range) and exit 2, on every
+    subcommand (OneLineParser)."""
+    parser = OneLineParser(
         prog="calculet-load", description="Load generator and acceptance harness for Calculet"
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         getattr(module, add_fn)(p)
         runners[name] = getattr(module, run_fn)
+    return parser, runners
+
+
+def main(argv: list[str] | None = None) -> int:
+    if _distributed_accept(sys.argv[1:] if argv is None else argv):
+        # Locust monkey-patches the standard library when imported: before anything else
+        import locust  # noqa: F401
+
+    parser, runners = build_parser()
     args = parser.parse_args(argv)
     try:
         return runners[args.command](args)

@@ -10,6 +10,9 @@ Checks (thresholds in the rules file's `infrastructure:` section, None disables 
     network_break     share of sent records inside a network break, declared or detected
                       (analysis.tables.netbreaks; a server restart is not one)
     send_lag          open loop: P99 of (actual − intended send time), stale retries apart
+    answered          some request got an answer from the target (an HTTP status): a run
+                      whose every request failed before one (refused, no route, TLS, a
+                      closed or silent connection) or sent none measured nothing of it
 
 Without the data a check needs (a probe has no index, no self-watch) it is
 `not_evaluated`, which does not make the run invalid.
@@ -211,6 +214,20 @@ def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:
     return _v(rid, Status.PASS, p99, limit, values.size, seen)
 
 
+def _answered(ev: Evidence, rid: str) -> RuleVerdict:
+    t = ev.table
+    sent = pc.invert(pc.fill_null(t.column("ext.dropped"), False))
+    n = int(pc.sum(sent.cast("int64")).as_py() or 0)
+    answered = pc.and_(sent, pc.is_valid(t.column("result.http_status")))
+    got = int(pc.sum(answered.cast("int64")).as_py() or 0)
+    if got:
+        return _v(rid, Status.PASS, got, 1, n, f"{got} of {n} sent requests got an answer")
+    classes = pc.value_counts(pc.filter(t.column("ext.error_class"), sent)).to_pylist()
+    seen = ", ".join(f"{c['values']} {c['counts']}" for c in classes if c["values"])
+    why = f"none of {n} sent requests got an answer ({seen})" if n else "no request was sent"
+    return _v(rid, Status.FAIL, got, 1, n, f"{why}: the run measured nothing of the target")
+
+
 def check_infrastructure(
     ev: Evidence, rules: InfrastructureRules, *, prefix: str = ""
 ) -> list[RuleVerdict]:
@@ -257,4 +274,5 @@ def check_infrastructure(
             details=q.network_breaks,
         ),
         _send_lag(ev, rules.max_send_lag_p99_ms, f"{prefix}send_lag"),
+        _answered(ev, f"{prefix}answered"),
     ]

@@ -12,6 +12,7 @@ from calculet_load.accept.interleave import Interleaved, interleave_manifest
 from calculet_load.accept.pipeline import Options, Pipeline
 from calculet_load.commands.door import analysis_door
 from calculet_load.errors import EXIT_INVALID, RunStop
+from calculet_load.ranges import COUNT, PORT, POSITIVE_SECONDS, REPETITIONS, SECONDS, SEED, Number
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.workload.mixes import MixError
 
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--golden", help="golden set YAML (token hashes of greedy outputs)")
     p.add_argument("--run-dir", help="run folder (default: runs/<run_id>)")
     p.add_argument("--url", help="target URL (default: the manifest's target.url)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the cell order and schedules")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the cell order and schedules")
     base = p.add_mutually_exclusive_group()
     base.add_argument("--baseline-run", help="a baseline run folder to compare with")
     base.add_argument(
@@ -37,18 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calbin", help="the calbin file: its sha256 must match the manifest")
     p.add_argument(
-        "--idle-window-s", type=float,
+        "--idle-window-s", type=POSITIVE_SECONDS,
         help="§8.2 idle sampling: the window the device must be stable over, s (default: "
         "the rules file's idle.window_s, 300)",
     )  # fmt: skip
     p.add_argument(
-        "--idle-timeout-s", type=float,
+        "--idle-timeout-s", type=POSITIVE_SECONDS,
         help="§8.2: not stable after this long, s: exit 3 naming the series (default: the "
         "rules file's idle.timeout_s, 1800)",
     )  # fmt: skip
-    p.add_argument("--idle-gap-s", type=float, default=2.0, help="pause between cells, s")
+    p.add_argument("--idle-gap-s", type=SECONDS, default=2.0, help="pause between cells, s")
     p.add_argument(
-        "--min-repetitions", type=int,
+        "--min-repetitions", type=REPETITIONS,
         help="cap the repetitions per cell; below §8's 30 (100 for short cases) only when "
         "the manifest's purpose says rehearsal (exit 2 otherwise)",
     )  # fmt: skip
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--skip-report", action="store_true", help="no HTML report")
     p.add_argument(  # issue 19: spec §14.1 cross-talk under concurrency
-        "--crosstalk-concurrency", type=int, default=4, metavar="N",
+        "--crosstalk-concurrency", type=COUNT, default=4, metavar="N",
         help="after golden before, send the golden set's greedy cases N at a time and "
         "compare each with the same request sent alone (0: skip; default 4)",
     )  # fmt: skip
@@ -74,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "distributed (the pipeline as the Locust master of its client processes)"
     )
     dist.add_argument(
-        "--workers", type=int, default=0,
+        "--workers", type=Number(int, 0, 100_000), default=0,
         help="start N local Locust worker processes and send the matrix from them",
     )  # fmt: skip
     dist.add_argument(
@@ -82,11 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="wait for --expect-workers remote workers: `locust -f locustfiles/calculet.py "
         "--worker --master-host THIS_HOST` on each client host",
     )  # fmt: skip
-    dist.add_argument("--expect-workers", type=int, default=1, help="with --master")
+    dist.add_argument("--expect-workers", type=COUNT, default=1, help="with --master")
     dist.add_argument("--master-bind-host", default="*", help="with --master (default: all)")
-    dist.add_argument("--master-bind-port", type=int, default=5557, help="with --master")
+    dist.add_argument("--master-bind-port", type=PORT, default=5557, help="with --master")
     dist.add_argument(
-        "--workers-timeout-s", type=float, default=120.0, help="wait this long for the workers"
+        "--workers-timeout-s",
+        type=POSITIVE_SECONDS,
+        default=120.0,
+        help="wait this long for the workers",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 

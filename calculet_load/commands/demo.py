@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from calculet_load.ranges import REPETITIONS, SCALE
+
 REPO = Path(__file__).resolve().parents[2]
 _SIGNING_ENV = ("CALCULET_SIGNING_KEY", "CALCULET_SIGNING_KEY_FILE")  # analysis.sign reads
 BROKEN = {
@@ -40,10 +42,10 @@ BROKEN = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where the run folder goes")
-    p.add_argument("--time-scale", type=float, default=0.05, help="simulated time per second")
+    p.add_argument("--time-scale", type=SCALE, default=0.05, help="simulated time per second")
     p.add_argument("--profile", default="b4", help="simulator profile (default b4)")
     p.add_argument(
-        "--repetitions", type=int, default=30,
+        "--repetitions", type=REPETITIONS, default=30,
         help="requests per cell (a rehearsal: spec §8 asks 30, 100 for short cases)",
     )  # fmt: skip
     p.add_argument("--broken", choices=sorted(BROKEN), help="break one simulator behaviour")

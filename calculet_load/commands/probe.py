@@ -21,11 +21,12 @@ from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import WorkloadError, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink, SinkStats, sink_status
+from calculet_load.ranges import OUTPUT_TOKENS, POSITIVE_SECONDS, PROMPT_TOKENS, SEED, Number
 from calculet_load.schema.access import AccessError, access_from, add_access_arguments
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.schema.profiles import PROFILE_NAMES, profile_named
 from calculet_load.schema.records import record_to_dict
-from calculet_load.target.describe import model_for
+from calculet_load.target.describe import DetectError, detect_profile, model_for
 
 _STAMPS = (
     ("t0", "request_start", "request start"),
@@ -59,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target-profile",
         choices=PROFILE_NAMES,
-        help="what kind of server the target is (default: the manifest's, else calculet)",
+        help="what kind of server the target is (default: the manifest's, else detected "
+        "from the target)",
     )
     p.add_argument(
         "--tokenizer",
@@ -71,13 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send the prompt as built, not made unique (cache studies)",
     )
-    p.add_argument("--prompt-tokens", type=int, default=128, help="exact prompt length")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens to request")
-    p.add_argument("--sample", type=int, default=0, help="corpus sample index")
+    p.add_argument("--prompt-tokens", type=PROMPT_TOKENS, default=128, help="exact prompt length")
+    p.add_argument("--max-tokens", type=OUTPUT_TOKENS, default=32, help="output tokens to request")
+    p.add_argument(
+        "--sample", type=Number(int, 0, 1_000_000), default=0, help="corpus sample index"
+    )
     p.add_argument("--no-stream", action="store_true", help="ask for a whole response")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--timeout", type=float, help="total timeout in s (default: manifest, 900)")
+    p.add_argument("--temperature", type=Number(float, 0, 100), default=0.0)
+    p.add_argument("--seed", type=SEED)
+    p.add_argument(
+        "--timeout", type=POSITIVE_SECONDS, help="total timeout in s (default: manifest, 900)"
+    )
     p.add_argument("--run-dir", help="where to write the record (default: runs/probe-<time>)")
 
 
@@ -113,10 +119,23 @@ def run(args: argparse.Namespace) -> int:
     )
     timeout = args.timeout or (manifest.timeout_s if manifest is not None else 900.0)
     timeouts = Timeouts.within(timeout)
+    name = args.target_profile or (target.profile if target else None)
+    if name is None:
+        try:
+            name, why = detect_profile(access)
+        except DetectError as exc:
+            print(f"probe: the target {url} answers nothing: {exc}", file=sys.stderr)
+            return 3
+        except LookupError as exc:
+            print(
+                f"probe: cannot tell what kind of server {url} is ({exc}): give "
+                f"--target-profile, one of {', '.join(PROFILE_NAMES)}",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"probe: the target is {name} ({why})", file=sys.stderr)
     try:
-        profile = profile_named(
-            args.target_profile or (target.profile if target else None) or "calculet"
-        )
+        profile = profile_named(name)
         tokenizer = args.tokenizer or (target.tokenizer if target else None)
         factory = target_prompts(
             access, protocol, SimpleNamespace(profile=profile.name, tokenizer=tokenizer)

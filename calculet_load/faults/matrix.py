@@ -80,6 +80,7 @@ from calculet_load.faults.spec import FaultScenario, FaultSpecError, load_scenar
 from calculet_load.measure.client import Outcome, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.session import RequestSpec, Session, golden_spec
+from calculet_load.ranges import SCALE, SECONDS
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest
 from calculet_load.schema.profiles import profile_named
 from calculet_load.target.api import TargetAPI
@@ -653,12 +654,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--time-scale",
-        type=float,
+        type=SCALE,
         help="real seconds per target second (default: /admin/state time_scale)",
     )
     p.add_argument(
         "--slack-s",
-        type=float,
+        type=SECONDS,
         default=0.5,
         help="real seconds allowed on top of every scaled time bound",
     )

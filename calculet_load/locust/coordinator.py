@@ -58,6 +58,7 @@ class Coordinator:
         self.clock_sync: ClockSync | None = None
         # issue 17: what fetch_traces did at this run's stop (the index's server_traces)
         self.server_traces: dict[str, Any] | None = None
+        self.refused: str | None = None  # why the last start was refused (the start check)
 
     @property
     def distributed(self) -> bool:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from calculet_load.locust.livestats import LogHistogram
+from calculet_load.measure.response import UNANSWERED_CLASSES
 
 if TYPE_CHECKING:
     from calculet_load.schema.records import RequestRecord, TokenEvent
@@ -281,3 +282,20 @@ class LLMTable:
     def per_s(self, entry: EntryStats, count: str, *, recent: bool = False) -> float | None:
         span = self.span_s(recent=recent)
         return entry.counts[count] / span if span >= 0.5 else None
+
+
+def nothing_answered(table: LLMTable) -> str | None:
+    """Why a run's requests measured nothing of the target (none sent, or none got an
+    answer: every failure of a class of UNANSWERED_CLASSES), in one phrase; None when
+    some request was answered."""
+    agg = table.entries()[AGGREGATED]
+    c = agg.counts
+    ended = c["requests"] - c["cancelled"]
+    unanswered = sum(n for cls, n in table.errors.items() if cls in UNANSWERED_CLASSES)
+    if ended == 0:
+        what = f"{c['dropped']} arrivals dropped" if c["dropped"] else "no request ended"
+        return f"no request got an answer ({what})"
+    if ended - unanswered > 0:
+        return None
+    classes = ", ".join(f"{cls} {n}" for cls, n in sorted(table.errors.items()))
+    return f"none of its {ended} requests got an answer from the target ({classes})"

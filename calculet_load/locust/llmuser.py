@@ -161,6 +161,9 @@ class LLMClient:
     def _worker(self) -> Worker:
         w = STATE.worker
         if w is None:
+            if self.user.environment.runner is not None:
+                gevent.sleep(0.5)  # the run was refused or has stopped: this user ends
+                raise StopUser()
             raise NoRun("self.llm calls run inside a Locust test (from a user's task)")
         while not w.wait_ready(READY_WAIT_S):  # start-up is not load: prompts, connections
             if w.stopping or STATE.worker is not w:

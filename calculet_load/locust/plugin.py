@@ -44,7 +44,6 @@ How a run is organised:
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from typing import Any
@@ -57,28 +56,20 @@ from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
 from calculet_load.errors import ExitCode
-from calculet_load.locust.accuracy import BUDGET_MS, self_check
+from calculet_load.locust.accuracy import self_check
 from calculet_load.locust.coordinator import Coordinator
 from calculet_load.locust.livestats import LiveStats
-from calculet_load.locust.llmstats import LLMTable
+from calculet_load.locust.llmstats import LLMTable, nothing_answered
 from calculet_load.locust.llmuser import LLMUser, ProgrammedTasks, programmed
+from calculet_load.locust.options import convert, register
+from calculet_load.locust.startcheck import Refused, check_target
 from calculet_load.locust.state import STATE as STATE
-from calculet_load.locust.worker import (
-    ARRIVALS,
-    OPEN_LOOP,
-    PROTOCOLS,
-    Plan,
-    Worker,
-    _mix,
-    options,
-)
+from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _mix, options
 from calculet_load.measure import native
-from calculet_load.measure.engine import DEFAULT_IO_ENGINE, IO_ENGINES
 from calculet_load.measure.prompts import WorkloadError
 from calculet_load.measure.sink import sink_status
-from calculet_load.schema.access import AccessError, access_from, add_access_arguments
+from calculet_load.schema.access import AccessError, access_from
 from calculet_load.schema.manifest import ManifestError, load_manifest
-from calculet_load.schema.profiles import PROFILE_NAMES
 from calculet_load.workload.arrivals import ArrivalError, load_replay, unit_gaps
 from calculet_load.workload.mixes import MixError
 
@@ -90,125 +81,7 @@ UI_OPTIONS: set[str] = set()  # our options in the web UI's start form (their de
 # ------------------------------------------------------------------ options
 @events.init_command_line_parser.add_listener
 def _add_options(parser: Any) -> None:
-    def opt(*names: str, **kw: Any) -> None:
-        ui = kw.pop("ui", True)
-        action = parser.add_argument(*names, include_in_web_ui=ui, **kw)
-        if ui:
-            UI_OPTIONS.add(action.dest)
-
-    opt("--protocol", choices=PROTOCOLS, default="llama", help="target protocol")
-    # how to reach the target (schema.access); not in the web UI's form (secrets stay out)
-    add_access_arguments(lambda *names, **kw: opt(*names, ui=False, **kw))
-    opt("--model", default="", help="model name sent to OpenAI-style targets")
-    opt(
-        "--target-profile",
-        choices=PROFILE_NAMES,
-        default="calculet",
-        help="what kind of server the target is: how prompts are sized (docs/targets.md)",
-    )
-    opt(
-        "--tokenizer",
-        default="",
-        help="a local tokenizer.json that sizes the prompts (and counts the events that "
-        "carry no count from the server)",
-    )
-    opt(
-        "--prompt-reuse",
-        action="store_true",
-        default=False,
-        help="send each prompt as built (cache studies); default: unique per request",
-    )
-    opt(
-        "--arrival",
-        choices=ARRIVALS,
-        default=None,
-        help="closed (the default): each user waits for its response; poisson/constant/"
-        "gamma/replay: open loop at --rate, independent of responses; burst: --burst-size "
-        "at once (default: a user class's `arrival`, else closed)",
-    )
-    opt("--rate", type=float, default=None,
-        help="open loop: arrivals per second, all workers (default: a user class's `rate`, "
-        "else 1)")  # fmt: skip
-    opt("--burstiness", type=float, default=1.0, help="gamma: shape k (CV = 1/sqrt(k))")
-    opt("--replay-file", default="", help="replay: arrival timestamps (s), one per line")
-    opt("--mix", default="", help="workload mix: a file or a name in configs/mixes/")
-    opt("--prompt-tokens", type=int, default=128, help="prompt length (without --mix)")
-    opt("--max-tokens", type=int, default=32, help="output tokens (without --mix)")
-    opt("--max-in-flight", type=int, default=256, help="open loop: in-flight cap per process")
-    opt("--late-ms", type=float, default=5.0, help="an arrival sent later than this is late")
-    opt("--accuracy-ms", type=float, default=BUDGET_MS, env_var="LOCUST_ACCURACY_MS",
-        help="the run's timing budget: a cell whose read wait or send lag P99 passes it is "
-        "named and the run exits 3")  # fmt: skip
-    opt("--io-engine", choices=IO_ENGINES, default=DEFAULT_IO_ENGINE, env_var="LOCUST_IO_ENGINE",
-        help="where the timing-critical socket I/O runs: thread (the default: one "
-        "asyncio/uvloop thread per worker process, sending each open-loop arrival at its "
-        "intended time) or gevent (the users' greenlets; token-event listeners called as "
-        "events arrive); docs/measurement.md")  # fmt: skip
-    opt("--burst-size", type=int, default=8, help="burst: requests fired at one instant")
-    opt("--burst-every", type=float, default=0.0, help="burst: period in s (0: one burst)")
-    opt("--burst-lead", type=float, default=1.0, help="burst: announce this many s ahead")
-    opt("--seed", type=int, default=0, help="seed of the schedule and the mix choices")
-    opt("--run-id", default="", help="run id (default: the manifest's, else generated)")
-    opt("--run-dir", default="", help="run folder, path or URI (default: runs/<run id>)")
-    opt("--manifest", default="", help="run manifest YAML (provenance of every record)")
-    opt("--request-timeout", type=float, default=900.0, help="total timeout per request, s")
-    opt("--start-delay", type=float, default=2.0, help="open loop: schedule starts after, s")
-    opt("--no-stream", action="store_true", default=False, help="ask for whole responses")
-    opt(
-        "--stages",
-        default="",
-        ui=False,
-        help="with locustfiles/stages.py: DURATION_S@RATE[@BURST_SIZE/EVERY_S],... or a YAML file",
-    )
-    # issue 9: Prometheus exposition (calculet_load.locust.prom) and server sampling (.scrape)
-    opt("--metrics-port", type=int, default=0, ui=False, help="serve Prometheus /metrics (0: off)")
-    opt("--metrics-host", default="", ui=False, help="--metrics-port's address (default: all)")
-    opt(
-        "--scrape-interval",
-        type=float,
-        default=5.0,
-        ui=False,
-        help="master: sample the target's /metrics and process into server/ every N s (0: off)",
-    )
-    opt("--server-metrics-url", default="", ui=False, help="default: TARGET/metrics")
-    # issue 17: the target's traces into server/ at each stop (calculet_load.target.traces)
-    opt(
-        "--no-server-traces",
-        action="store_true",
-        default=False,
-        ui=False,
-        help="do not fetch the target's /traces/{kind} into server/ when a run stops",
-    )
-    opt(
-        "--trace-timeout",
-        type=float,
-        default=60.0,
-        ui=False,
-        help="at stop: give up fetching the target's traces after N s",
-    )
-    # issue 15: clocks across hosts, and RTT/jitter to the target (spec §5)
-    opt(
-        "--clock-sync-every",
-        type=float,
-        default=30.0,
-        ui=False,
-        help="master: measure each worker's clock offset again every N s (0: at connect only)",
-    )
-    opt(
-        "--rtt-samples",
-        type=int,
-        default=8,
-        ui=False,
-        help="connect and /health round trips to the target per round, per worker (0: off)",
-    )
-    opt("--rtt-every", type=float, default=60.0, ui=False, help="a round every N s (0: once)")
-    opt(
-        "--server-pid",
-        type=int,
-        default=0,
-        ui=False,
-        help="target process to sample (0: by the target's port on this host; -1: off)",
-    )
+    register(parser.add_argument, UI_OPTIONS)  # calculet_load.locust.options declares them
 
 
 # ------------------------------------------------------------------ Locust wiring
@@ -325,10 +198,11 @@ def _validate(opts: Any) -> None:
 
 
 def option_problems(opts: Any) -> list[str]:
-    """What is wrong with these options, one phrase naming the option each (none: [])."""
-    problems = []
-    if not math.isfinite(opts.rate) or opts.rate < 0:
-        problems.append(f"--rate must be a finite number >= 0, got {opts.rate}")
+    """What is wrong with these options, one phrase naming the option each (none: []);
+    the numbers made numbers in place (calculet_load.locust.options)."""
+    problems = convert(opts)
+    if problems:
+        return problems  # the rest reads numbers
     if opts.arrival == "replay" and not opts.replay_file:
         problems.append("--replay-file is required with --arrival replay")
     elif opts.arrival == "replay":
@@ -336,12 +210,6 @@ def option_problems(opts: Any) -> list[str]:
             next(unit_gaps("replay", 0, replay=load_replay(opts.replay_file)))
         except (ArrivalError, OSError) as exc:
             problems.append(f"--replay-file: {exc}")
-    if opts.burstiness <= 0:
-        problems.append(f"--burstiness must be > 0, got {opts.burstiness}")
-    if opts.max_in_flight < 1:
-        problems.append(f"--max-in-flight must be >= 1, got {opts.max_in_flight}")
-    if not 0 <= opts.rtt_samples <= 1000:
-        problems.append(f"--rtt-samples must be in 0..1000, got {opts.rtt_samples}")
     try:
         _mix(opts)
         if opts.manifest:
@@ -362,6 +230,11 @@ def option_problems(opts: Any) -> list[str]:
 def _on_test_start(environment: Environment, **_kw: Any) -> None:
     runner = environment.runner
     opts = options(environment)
+    if not isinstance(runner, WorkerRunner):  # the master, or the one local process
+        refused = check_target(opts, environment.host or "")
+        if refused is not None:
+            _refuse(environment, refused)
+            return
     if isinstance(runner, MasterRunner):
         assert STATE.master is not None
         STATE.plan = STATE.master.start()
@@ -382,6 +255,19 @@ def _on_test_start(environment: Environment, **_kw: Any) -> None:
         STATE.worker.tasks = ProgrammedTasks(environment, classes, plan.seed)
     if plan.arrival in OPEN_LOOP:
         STATE.worker.start_dispatcher()
+
+
+def _refuse(environment: Environment, refused: Refused) -> None:
+    """The run does not start: its one line, its exit code, and Locust stopped (a
+    headless run quits; the web UI's run stops, the line in its log and the LLM tab)."""
+    print(refused.line, file=sys.stderr, flush=True)
+    environment.process_exit_code = int(refused.code)
+    if STATE.master is not None:
+        STATE.master.refused = refused.line
+    runner = environment.runner
+    if runner is not None:
+        headless = environment.web_ui is None
+        gevent.spawn_later(0, runner.quit if headless else runner.stop)
 
 
 @events.test_stopping.add_listener
@@ -426,6 +312,10 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
     master.fetch_traces()
     index = master.write_index("complete")
     self_check(environment, master.reports.values(), master.plan.run_id)
+    unanswered = nothing_answered(master.llm)
+    if unanswered is not None:
+        log.error("calculet run %s measured nothing: %s", master.plan.run_id, unanswered)
+        environment.process_exit_code = int(ExitCode.INFRASTRUCTURE)
     if index is not None and index["status"] != "complete":
         problems = [
             f"{w['worker']}: {w.get('sink_problem') or w.get('status')}"

@@ -26,6 +26,7 @@ from locust.env import Environment
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmreport import TAB_COLUMNS, html_section, inject, tab_rows
 from calculet_load.locust.llmstats import LLMTable
+from calculet_load.locust.options import form_value, number
 
 TAB = "calculet"
 COLUMNS = TAB_COLUMNS
@@ -61,13 +62,12 @@ def install(
         trial = copy.copy(options)
         problems = []
         for key in sorted(ui_options & set(request.form)):
-            value, current = request.form[key], getattr(trial, key)
-            try:
-                setattr(trial, key, _as_option(current, value))
-            except ValueError:
-                kind = type(current).__name__
-                problems.append(f"--{key.replace('_', '-')}: expected {kind}, got {value!r}")
-        problems += option_problems(trial)
+            value, problem = form_value(key, getattr(trial, key), request.form[key])
+            if problem is not None:
+                problems.append(problem)
+            else:
+                setattr(trial, key, value)
+        problems = problems or option_problems(trial)
         if not problems:
             return None
         # Locust's own answer to a bad form (200 + success false): the UI shows the message
@@ -113,12 +113,9 @@ def install(
     @ui.auth_required_if_enabled
     def _rate() -> Any:
         body = request.get_json(silent=True) or request.form
-        try:
-            rate = float(body["rate"])
-            if rate < 0:
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            return jsonify({"error": "rate: a number >= 0 is required"}), 400
+        rate, problem = number("rate", body.get("rate") if hasattr(body, "get") else None, "rate")
+        if problem is not None or rate is None:
+            return jsonify({"error": problem}), 400
         c = coordinator()
         try:
             c.change_rate(rate)
@@ -130,24 +127,13 @@ def install(
     @ui.auth_required_if_enabled
     def _burst() -> Any:
         body = request.get_json(silent=True) or request.form
-        try:
-            size = int(body.get("size", options.burst_size))
-            if size < 1:
-                raise ValueError
-        except (TypeError, ValueError):
-            return jsonify({"error": "size: an integer >= 1 is required"}), 400
+        raw = body.get("size", options.burst_size) if hasattr(body, "get") else None
+        size, problem = number("burst_size", raw, "size")
+        if problem is not None or size is None:
+            return jsonify({"error": problem}), 400
         c = coordinator()
         try:
-            msg = c.fire_burst(size, float(options.burst_lead))
+            msg = c.fire_burst(int(size), float(options.burst_lead))
         except ValueError as exc:
             return jsonify({"error": str(exc)}), 409
         return jsonify({"id": msg["id"], "fire_at_wall_ns": msg["fire_at_wall_ns"]})
-
-
-def _as_option(current: Any, value: str) -> Any:
-    """A form value in the option's type, as Locust's /swarm converts it."""
-    if isinstance(current, bool):
-        return value == "true"
-    if current is None:
-        return value
-    return type(current)(value)

@@ -59,12 +59,10 @@ from calculet_load.workload.mixes import Mix, MixChooser, load_mix, single
 
 log = logging.getLogger("calculet_load")
 
-OPEN_LOOP = ("poisson", "constant", "gamma", "replay")
+OPEN_LOOP = ("poisson", "constant", "gamma", "replay")  # calculet_load.locust.options
 RTT_ROUNDS_KEEP = 60  # during-run RTT rounds kept for the index (a 72-hour run: the last)
 RTT_READY_WAIT_S = 30.0  # the first RTT round waits this long at most for start-up to end
 RTT_SETTLE_S = 0.5  # ... and then this long
-ARRIVALS = ("closed", *OPEN_LOOP, "burst")
-PROTOCOLS = ("llama", "openai-chat", "openai-completions")
 
 
 # ------------------------------------------------------------------ the plan

@@ -74,6 +74,14 @@ ERROR_CLASSES: dict[str, str] = {
     "dropped": "an open-loop arrival found the in-flight cap full and was not sent",
 }
 
+# The classes of a request that got no answer from the target: not a byte of HTTP came
+# back (nothing listening, no route, TLS that failed, a connection closed or silent). A
+# run all of whose requests end so measured nothing of the target.
+UNANSWERED_CLASSES = frozenset({
+    "connect_refused", "connect_timeout", "unreachable", "tls_verify", "tls_handshake",
+    "connection_reset", "first_byte_timeout", "pool_exhausted", "malformed_http",
+})  # fmt: skip
+
 # Generated tokens may exceed the request's max_tokens by this many before the count is
 # flagged (token_count_mismatch with a count_anomaly): none, as OpenAI and llama.cpp
 # define max_tokens/n_predict as a hard cap. A session may declare another.

@@ -70,6 +70,7 @@ from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.session import RequestSpec, golden_spec
+from calculet_load.ranges import POSITIVE_RATE, SCALE, SEED
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.soak import state as soakstate
 from calculet_load.soak.judge import (
@@ -717,23 +718,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--golden", help="golden set YAML (before and after the stage)")
     p.add_argument(
         "--target-rate",
-        type=float,
+        type=POSITIVE_RATE,
         help="the target load in requests per target second (default: the stage's)",
     )
     p.add_argument(
         "--time-scale-hint",
-        type=float,
+        type=SCALE,
         help="real seconds per target second (default: /admin/state time_scale, else 1)",
     )
     p.add_argument(
         "--duration-scale",
-        type=float,
+        type=SCALE,
         help="shorten (< 1) the stage for a rehearsal; recorded in soak.json (default 1)",
     )
     p.add_argument(
         "--rules", help="acceptance rules for the analysis (default: the stage's, else the default)"
     )
-    p.add_argument("--seed", type=int, help="seed of the arrival schedule (default 0)")
+    p.add_argument("--seed", type=SEED, help="seed of the arrival schedule (default 0)")
     p.add_argument(
         "--resume",
         metavar="RUN_DIR",

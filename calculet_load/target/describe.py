@@ -107,3 +107,72 @@ def describe_target(
         if "server" in headers:
             out["server_header"] = headers["server"][:200]
     return out
+
+
+# Who a `/v1/models` entry's `owned_by` names, as these servers write it
+_OWNERS = (
+    ("calculet", "calculet"),
+    ("llamacpp", "llama.cpp"),
+    ("llama.cpp", "llama.cpp"),
+    ("vllm", "vllm"),
+    ("sglang", "sglang"),
+    ("tgi", "tgi"),
+    ("text-generation-inference", "tgi"),
+)
+
+
+class DetectError(OSError):
+    """The target could not be asked what it is (it did not answer at all)."""
+
+
+def detect_profile(url: str | TargetAccess, timeout_s: float = 5.0) -> tuple[str, str]:
+    """What kind of server the target is (a profile name of schema.profiles) and the
+    evidence, asked the way each names itself: llama.cpp's `/props`, vLLM's `/version`,
+    SGLang's `/get_server_info`, TGI's `/info`, the `owned_by` of its `/v1/models`, and
+    the Calculet service's `/health` (its `state`). A server that answers `/v1/models` and
+    names no one is an OpenAI-compatible one (`openai`). Raises LookupError when nothing
+    tells (naming what was asked), DetectError when the target answers nothing."""
+    access = access_of(url)
+    answered = False
+    asked = []
+
+    def get(path: str) -> tuple[int, Any, dict[str, str]]:
+        nonlocal answered
+        asked.append(path)
+        try:
+            found = _get(access, path, timeout_s)
+        except OSError:
+            return 0, None, {}
+        answered = True
+        return found
+
+    status, body, headers = get("/v1/models")
+    owners = []
+    if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list):
+        owners = [str(m.get("owned_by", "")).lower() for m in body["data"] if isinstance(m, dict)]
+    for owner in owners:
+        for mark, name in _OWNERS:
+            if mark in owner:
+                return name, f"/v1/models: owned_by {owner!r}"
+    s, props, _ = get("/props")
+    if s == 200 and isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
+        return "llama.cpp", "/props: llama.cpp's settings (build_info, total_slots)"
+    if "llama.cpp" in headers.get("server", "").lower():
+        return "llama.cpp", f"Server: {headers['server'][:80]}"
+    s, info, _ = get("/get_server_info")
+    if s == 200 and isinstance(info, dict) and ("tokenizer_path" in info or "version" in info):
+        return "sglang", "/get_server_info answered (SGLang's)"
+    s, info, _ = get("/info")
+    if s == 200 and isinstance(info, dict) and "model_id" in info and "router" in info:
+        return "tgi", "/info: model_id and router (TGI's)"
+    s, version, _ = get("/version")
+    if s == 200 and isinstance(version, dict) and set(version) == {"version"}:
+        return "vllm", f"/version: {version['version']!r} (vLLM's)"
+    s, health, _ = get("/health")
+    if s == 200 and isinstance(health, dict) and "state" in health and "status" in health:
+        return "calculet", "/health: status and state (the Calculet service's)"
+    if owners or status == 200:
+        return "openai", "/v1/models answered and names no server it knows"
+    if not answered:
+        raise DetectError(f"the target answered none of {', '.join(asked)}")
+    raise LookupError(f"nothing the target answered ({', '.join(asked)}) names its kind")

@@ -54,18 +54,22 @@ class Cell(BaseModel):
     name: str = ""
     kind: Literal["single", "closed", "open", "burst", "boundary"]
     prompt_tokens: int = Field(default=128, ge=1, le=40959)
-    max_tokens: int = Field(default=32, ge=1)
-    temperature: float = Field(default=0.0, ge=0)
+    max_tokens: int = Field(default=32, ge=1, le=1 << 20)
+    temperature: float = Field(default=0.0, ge=0, le=100)
     stream: bool = True
-    concurrency: int = Field(default=1, ge=1)
+    concurrency: int = Field(default=1, ge=1, le=100_000)
     arrival: Literal["poisson", "constant", "gamma"] = "poisson"
-    rate: float = Field(default=1.0, gt=0)
-    burstiness: float = Field(default=1.0, gt=0)
+    rate: float = Field(default=1.0, gt=0, le=1e6)
+    burstiness: float = Field(default=1.0, gt=0, le=1e6)
     mix: str | None = None
-    size: int = Field(default=8, ge=1, description="burst: requests fired at one instant")
-    rounds: int = Field(default=5, ge=1, description="burst: how many bursts")
-    repetitions: int | None = Field(default=None, ge=1, description="override per cell")
-    max_in_flight: int = Field(default=256, ge=1)
+    size: int = Field(
+        default=8, ge=1, le=100_000, description="burst: requests fired at one instant"
+    )
+    rounds: int = Field(default=5, ge=1, le=100_000, description="burst: how many bursts")
+    repetitions: int | None = Field(
+        default=None, ge=1, le=1_000_000, description="override per cell"
+    )
+    max_in_flight: int = Field(default=256, ge=1, le=100_000)
     grid: dict[str, list[Any]] | None = None
 
     @property
@@ -83,11 +87,12 @@ class Matrix(BaseModel):
     schema_: Literal["calculet-matrix/v1"] = Field(default="calculet-matrix/v1", alias="schema")
     name: str = Field(min_length=1)
     description: str = ""
-    repetitions: int = Field(default=30, ge=1)
-    short_repetitions: int = Field(default=100, ge=1)
+    repetitions: int = Field(default=30, ge=1, le=1_000_000)
+    short_repetitions: int = Field(default=100, ge=1, le=1_000_000)
     compiled_batch: int | None = Field(
         default=None,
         gt=0,
+        le=4096,
         description="spec §7: the compiled batch B of the calbin this matrix measures "
         "(active lanes 1..B); accept requires the manifest's batch section to match",
     )

@@ -47,13 +47,16 @@ class MixEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, description="label; becomes the record's cell")
-    weight: float = Field(gt=0, description="relative share of arrivals")
+    weight: float = Field(gt=0, le=1e9, description="relative share of arrivals")
     prompt_tokens: int = Field(ge=1, le=40959, description="exact prompt length in tokens")
-    max_tokens: int = Field(ge=1, description="output tokens requested (ignore_eos on)")
+    max_tokens: int = Field(ge=1, le=1 << 20, description="output tokens requested (ignore_eos on)")
     stream: bool = True
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0, le=100)
     samples: int = Field(
-        default=16, ge=1, description="distinct corpus samples cycled through (prefix reuse)"
+        default=16,
+        ge=1,
+        le=1_000_000,
+        description="distinct corpus samples cycled through (prefix reuse)",
     )
     kind: Literal["request", "conversation"] = Field(
         default="request", description="one request, or a chat session of `turns` turns"
