@@ -24,6 +24,7 @@ from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
 from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options, target_access
 from calculet_load.schema.fs import write_file
+from calculet_load.schema.profiles import profile_named
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI
 from calculet_load.target.scrape import ServerSampler, sampler_for_run
@@ -109,6 +110,7 @@ class Coordinator:
             self.env.host,
             interval_s=float(opts.scrape_interval),
             metrics_url=opts.server_metrics_url,
+            metrics=profile_named(opts.target_profile or "calculet").metrics,
             server_pid=int(opts.server_pid),
             access=target_access(opts, self.env.host) if self.env.host else None,
         )
@@ -149,6 +151,8 @@ class Coordinator:
             record = {"status": "off", "reason": "--no-server-traces"}
         elif not self.env.host:
             record = {"status": "not_available", "reason": "no target host (-H)"}
+        elif not (profile := profile_named(opts.target_profile or "calculet")).traces:
+            record = {"status": "not_available", "reason": f"the {profile.name} profile has none"}
         else:
             window = TraceWindow(plan.run_id, self.started_wall_ns, time.time_ns())
             try:

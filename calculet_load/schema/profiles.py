@@ -40,6 +40,7 @@ class TargetProfile:
     props_path: str | None  # a GET that describes the server (recorded at release)
     admin_api: bool  # Calculet's admin/fault API (/admin/...)
     traces: bool  # server/runtime traces (/admin/traces)
+    metrics: bool  # Prometheus metrics at /metrics (sampled into server/ during a run)
     device_telemetry: bool  # chip gauges on /metrics
     cache_off: str  # how a user turns server-side prefix caching off (cold prefills)
 
@@ -65,6 +66,7 @@ PROFILES: dict[str, TargetProfile] = {
             props_path=None,
             admin_api=True,
             traces=True,
+            metrics=True,
             device_telemetry=True,
             cache_off="no prefix cache on the Calculet service",
         ),
@@ -81,6 +83,7 @@ PROFILES: dict[str, TargetProfile] = {
             props_path="/props",
             admin_api=False,
             traces=False,
+            metrics=True,
             device_telemetry=False,
             cache_off=(
                 "the llama protocol sends cache_prompt: false; the OpenAI endpoints cache "
@@ -100,6 +103,7 @@ PROFILES: dict[str, TargetProfile] = {
             props_path="/version",
             admin_api=False,
             traces=False,
+            metrics=True,
             device_telemetry=False,
             cache_off="start vllm serve with --no-enable-prefix-caching",
         ),
@@ -116,6 +120,7 @@ PROFILES: dict[str, TargetProfile] = {
             props_path="/get_model_info",
             admin_api=False,
             traces=False,
+            metrics=True,
             device_telemetry=False,
             cache_off="start sglang with --disable-radix-cache",
         ),
@@ -132,6 +137,7 @@ PROFILES: dict[str, TargetProfile] = {
             props_path="/info",
             admin_api=False,
             traces=False,
+            metrics=True,
             device_telemetry=False,
             cache_off="start TGI with PREFIX_CACHING=0 in its environment",
         ),
@@ -148,6 +154,7 @@ PROFILES: dict[str, TargetProfile] = {
             props_path=None,
             admin_api=False,
             traces=False,
+            metrics=False,
             device_telemetry=False,
             cache_off="ask the provider; unique prompts (the default) defeat prefix caches",
         ),

@@ -366,16 +366,20 @@ def sampler_for_run(
     metrics_url: str = "",
     server_pid: int = 0,
     access: TargetAccess | None = None,
+    metrics: bool = True,
 ) -> ServerSampler | None:
     """The sampler a run's options ask for, started; None when sampling is off.
 
     `metrics_url` defaults to TARGET/metrics (under the base path of `access`, with its
-    TLS settings and headers); `server_pid` 0 looks the server up by the target's port
-    when it runs on this host, a negative value turns process sampling off."""
+    TLS settings and headers) where the target has metrics (`metrics`: its profile's);
+    `server_pid` 0 looks the server up by the target's port when it runs on this host, a
+    negative value turns process sampling off."""
     if interval_s <= 0:
         return None
     if metrics_url:
         url = metrics_url
+    elif not metrics:
+        url = ""
     elif access is not None:
         url = access.resolve("/metrics")
     else:

@@ -6,6 +6,7 @@ line naming the URL and the cause; a target of a known kind is detected and said
 from __future__ import annotations
 
 import http.server
+import json
 import subprocess
 import sys
 import threading
@@ -120,3 +121,19 @@ def test_a_run_whose_requests_got_no_answer_exits_3(tmp_path: Path) -> None:
     assert (
         "none of its" in line and "requests got an answer from the target (connection_reset" in line
     )
+
+
+def test_a_target_without_traces_or_metrics_is_not_asked_for_them(
+    tmp_path: Path, sim: SimProcess
+) -> None:
+    """An OpenAI-compatible endpoint (`--target-profile openai`: a gateway) has neither:
+    the run neither fetches `/traces/*` nor scrapes `/metrics` (404 warnings otherwise)."""
+    code, out, _ = _locust(tmp_path, sim.url, "--target-profile", "openai", "--protocol",
+                           "openai-completions", "--scrape-interval", "0.5", "-u", "1",
+                           run_s="3s", locustfile=str(WRITTEN))  # fmt: skip
+    assert code == 0, out
+    index = json.loads((tmp_path / "run" / "client" / "index.json").read_text())
+    assert index["server_traces"]["status"] == "not_available", index["server_traces"]
+    assert index["server_traces"]["reason"] == "the openai profile has none"
+    assert not (tmp_path / "run" / "server" / "metrics.jsonl").exists()
+    assert "404" not in out and "/metrics" not in out.replace("no /metrics", ""), out
