@@ -390,6 +390,8 @@ class Sim:
             return await reader(request)
         if kind not in TRACE_FILES or kind == "audit":
             raise Reject(404, "not_found", f"trace {kind!r}: one of server_events, steps, device")
+        if self.traces.trace_dir is None:  # nothing kept: not an empty trace of the run
+            raise Reject(404, "not_found", "this simulator keeps no traces (--trace-dir)")
         try:
             offset = int(request.query.get("offset", "0"))
         except ValueError:

@@ -126,6 +126,9 @@ class Options:
     master_bind_host: str = "*"
     master_bind_port: int = 5557
     workers_timeout_s: float = 120.0
+    # the target's resources sampled this often through the matrix (the leak rules bin
+    # them: a short run needs samples often enough for their 20 bins)
+    resource_interval_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
     analysis: AnalysisDoor | None = None  # analyze, report, sign (calculet_load.commands)
 
@@ -663,7 +666,7 @@ class Pipeline:
 
             self.sampler = ResourceSampler(
                 self.url, self.run_dir / "server" / "resources.jsonl",
-                admin_token=self.o.admin_token, interval_s=1.0,
+                admin_token=self.o.admin_token, interval_s=self.o.resource_interval_s,
             ).start()  # fmt: skip
         todo = [c for c in self.plan["cells"] if c["status"] != "done"]
         self.log.write("matrix", "start", cells=len(self.plan["cells"]), todo=len(todo))

@@ -42,7 +42,11 @@ BROKEN = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where the run folder goes")
-    p.add_argument("--time-scale", type=SCALE, default=0.05, help="simulated time per second")
+    p.add_argument(
+        "--time-scale", type=SCALE, default=0.05,
+        help="the simulator's real seconds per simulated second (0.05: its device runs 20x "
+        "faster than real time), as calculet-sim's --time-scale",
+    )  # fmt: skip
     p.add_argument("--profile", default="b4", help="simulator profile (default b4)")
     p.add_argument(
         "--repetitions", type=REPETITIONS, default=30,
@@ -117,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         idle_timeout_s=120.0,
         idle_gap_s=0.5,
         min_repetitions=args.repetitions,
+        # a sample every 0.25 s: the leak rules' 20 bins in a run of a minute
+        resource_interval_s=0.25,
         analysis=analysis_door(),
     )
     try:

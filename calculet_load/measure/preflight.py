@@ -12,6 +12,10 @@ run: its request id is its own, and nothing is written.
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
+
+import gevent
 
 from calculet_load.measure.client import (
     ConnectionPool,
@@ -21,7 +25,7 @@ from calculet_load.measure.client import (
     execute,
     run_in_greenlet,
 )
-from calculet_load.measure.protocols import adapter_for
+from calculet_load.measure.protocols import Adapter, adapter_for
 from calculet_load.schema.access import TargetAccess
 
 TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=30.0, idle_s=30.0, total_s=60.0)
@@ -43,6 +47,10 @@ CAUSES = {
     "content_encoding": "it compresses its answer though asked not to",
 }
 HTTP_ERRORS = ("not_found", "http_4xx", "http_5xx", "http_other")
+# A target that refuses the connection is asked again for this long: one started beside
+# the run (a simulator in the background, a compose stack) may not listen yet.
+STARTING_S = 5.0
+STARTING_POLL_S = 0.25
 NOT_JSON = ("non-JSON error body", "error body without an error object")
 
 
@@ -56,6 +64,18 @@ class Preflight:
     outcome: Outcome | None = None
 
 
+def _send(access: TargetAccess, adapter: Adapter, body: dict[str, Any]) -> Outcome:
+    pool = ConnectionPool(Endpoint(access), 1)
+    try:
+        return run_in_greenlet(
+            lambda: execute(
+                pool, adapter, body, "calculet-preflight", stream=True, timeouts=TIMEOUTS
+            )
+        )
+    finally:
+        pool.close()
+
+
 def preflight(access: TargetAccess, protocol: str, model: str | None) -> Preflight:
     """Send one streamed request of one output token to the target (in a greenlet of its
     own: callable from anywhere)."""
@@ -63,16 +83,13 @@ def preflight(access: TargetAccess, protocol: str, model: str | None) -> Preflig
     body = adapter.body(
         "Hello", 1, stream=True, model=model, temperature=0.0, seed=None, ignore_eos=False
     )
-    pool = ConnectionPool(Endpoint(access), 1)
     url = f"{access.url}{adapter.path}"
-    try:
-        out = run_in_greenlet(
-            lambda: execute(
-                pool, adapter, body, "calculet-preflight", stream=True, timeouts=TIMEOUTS
-            )
-        )
-    finally:
-        pool.close()
+    deadline = time.monotonic() + STARTING_S
+    while True:
+        out = _send(access, adapter, body)
+        if out.error_class != "connect_refused" or time.monotonic() >= deadline:
+            break
+        gevent.sleep(STARTING_POLL_S)
     detail = (out.error_detail or "").split("\n", 1)[0][:160]
     said = (
         f"{out.error_class}: " + (f"HTTP {out.http_status}: " if out.http_status else "") + detail

@@ -10,6 +10,7 @@ part that could not be read says why.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from calculet_load.schema.access import TargetAccess, access_of
@@ -61,13 +62,27 @@ def model_for(
     return discover_model(url, profile)
 
 
-def check_health(url: str | TargetAccess, profile: TargetProfile, timeout_s: float = 30.0) -> str:
+def check_health(
+    url: str | TargetAccess,
+    profile: TargetProfile,
+    timeout_s: float = 30.0,
+    starting_s: float = 5.0,
+) -> str:
     """The target's health as its profile reads it ("ok"); raises OSError (unreachable,
     or not healthy, with what it answered). Calculet and llama.cpp answer
     `{"status": "ok"}`, vLLM, SGLang and TGI an empty 200; a plain OpenAI endpoint has
-    no health route, so its model list stands in."""
+    no health route, so its model list stands in. A target that refuses the connection
+    is asked again for `starting_s`: one started beside the run may not listen yet."""
     path = profile.health_probe_path
-    status, body, _ = _get(access_of(url), path, timeout_s)
+    deadline = time.monotonic() + starting_s
+    while True:
+        try:
+            status, body, _ = _get(access_of(url), path, timeout_s)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.25)
     if status != 200:
         raise OSError(f"GET {path}: HTTP {status}")
     if profile.health_form == "json_status_ok":
