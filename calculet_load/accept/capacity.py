@@ -61,8 +61,7 @@ from calculet_load.ranges import (
     Number,
 )
 from calculet_load.schema.manifest import ManifestError, load_manifest
-from calculet_load.target.api import TargetAPI, off_loop, time_scale
-from calculet_load.target.describe import check_health
+from calculet_load.target.api import TargetAPI, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.mixes import MixError, load_mix, single
@@ -164,10 +163,9 @@ class Capacity:
         return code
 
     def _search(self) -> int:
-        try:
-            off_loop(lambda: check_health(self.access, self.target.profile))
-        except OSError as exc:
-            self.say(f"capacity: target {self.url} unreachable: {exc}")
+        problem = self.target.check()
+        if problem is not None:
+            self.say(f"capacity: {problem}")
             return EXIT_INFRA
         self.scale = time_scale(self.api, self.a.time_scale_hint)
         if self.target.profile.traces:

@@ -69,7 +69,7 @@ from calculet_load.schema.manifest import ManifestError, RunManifest, load_manif
 from calculet_load.schema.prometheus import chip_gauges, device_sample
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI, off_loop
-from calculet_load.target.describe import check_health, describe_target
+from calculet_load.target.describe import describe_target
 from calculet_load.target.netprobe import RttRounds
 from calculet_load.target.traces import collect_traces
 from calculet_load.workload.dispatch import (
@@ -361,10 +361,10 @@ class Pipeline:
                 )
             checked.append("calbin file")
         profile = self.target.profile
-        try:
-            health = off_loop(lambda: check_health(self.access, profile))
-        except (OSError, ValueError) as exc:
-            raise RunStop(EXIT_INFRA, f"release: target {self.url} unreachable: {exc}") from None
+        problem = self.target.check()
+        if problem is not None:
+            raise RunStop(EXIT_INFRA, f"release: {problem}")
+        health = "ok"
         # what the target says of itself (model list, /props or version, Server header)
         described = off_loop(lambda: describe_target(self.access, profile))
         state: Any = None

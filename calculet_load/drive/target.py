@@ -6,10 +6,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from calculet_load.measure.preflight import preflight
 from calculet_load.schema.access import AccessError, TargetAccess, access_from
 from calculet_load.schema.manifest import RunManifest
 from calculet_load.schema.profiles import TargetProfile, profile_named
-from calculet_load.target.describe import model_for
+from calculet_load.target.api import off_loop
+from calculet_load.target.describe import check_health, model_for
 
 __all__ = ["RunTarget"]
 
@@ -50,3 +52,16 @@ class RunTarget:
         profile = profile_named(target.profile if target else "calculet")
         model = model_for(access, profile, protocol, target.model if target else None)
         return cls(found, protocol, model, access, profile)
+
+    def check(self) -> str | None:
+        """Before a driver's load: the target answers its health check as its profile
+        reads it (a target just started gets a few seconds) and one streamed request of
+        the run's protocol (measure.preflight). None, or the one line saying what is
+        wrong with it (the driver stops with exit 3). Call it on the gevent loop."""
+        try:
+            off_loop(lambda: check_health(self.access, self.profile))
+        except OSError as exc:
+            path = self.profile.health_probe_path
+            return f"target {self.url} failed its health check (GET {path}): {exc}"
+        return preflight(self.access, self.protocol, self.model).problem
+

@@ -235,7 +235,11 @@ class FaultMatrix:
         run_steps(FAULT_STEPS, self)
 
     def _fault_api(self) -> None:
-        """The target's fault API answers this token (else: infrastructure, exit 3)."""
+        """The target answers as an LLM endpoint and its fault API answers this token
+        (else: infrastructure, exit 3)."""
+        problem = self.target.check()
+        if problem is not None:
+            raise _Infra(problem)
         try:
             status, body = self.api.json("GET", "/admin/faults")
         except OSError as exc:

@@ -281,11 +281,15 @@ class Soak:
     def _open_stage(self) -> None:
         """The target's health; a new plan and state, or the resumed ones and their gap."""
         st = self.stage
-        try:
-            status, health = self.api.health()
-        except OSError as exc:
-            self.say(f"soak: target {self.url} unreachable: {exc}")
-            raise RunStop(EXIT_INFRA, f"target {self.url} unreachable: {exc}") from None
+        problem = self.target.check()
+        if problem is None:
+            try:  # what it said, for the plan
+                status, health = self.api.health()
+            except OSError as exc:
+                problem = f"target {self.url} unreachable: {exc}"
+        if problem is not None:
+            self.say(f"soak: {problem}")
+            raise RunStop(EXIT_INFRA, problem)
         self.dscale = float(self.opts["duration_scale"])
         self.rate_target = float(self.opts["target_rate"])
         gap = None
