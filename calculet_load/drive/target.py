@@ -64,4 +64,3 @@ class RunTarget:
             path = self.profile.health_probe_path
             return f"target {self.url} failed its health check (GET {path}): {exc}"
         return preflight(self.access, self.protocol, self.model).problem
-
