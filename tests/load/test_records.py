@@ -37,14 +37,13 @@ from calculet_load.schema.records import (
     record_to_dict,
     request_json_schema,
 )
-from tests.conftest import SHARED
+from tests.conftest import REPO
 
 
 def source_example() -> dict[str, Any]:
-    """The JSON example of section 3 of the source (Chinese) spec, which wins over SPEC.md."""
-    (source,) = (SHARED / "spec").glob("000_*.txt")
-    text = source.read_text(encoding="utf-8")
-    section = text[text.index("## 3.") : text.index("## 4.")]
+    """The JSON example of §3 of the specification (docs/spec.md, the source's own)."""
+    text = (REPO / "docs" / "spec.md").read_text(encoding="utf-8")
+    section = text[text.index("## §3 ") : text.index("## §4 ")]
     block = re.search(r"```json\n(.*?)```", section, re.S)
     assert block is not None
     obj: dict[str, Any] = json.loads(block.group(1))
