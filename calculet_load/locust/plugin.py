@@ -397,6 +397,8 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
     w = STATE.worker
     if w is not None:
         STATE.worker = None
+        if not isinstance(runner, WorkerRunner) and STATE.master is not None:
+            STATE.master.adopt(w)  # a local run's figures stay on view while it stops
         w.stop(timeout_s=max(environment.stop_timeout or 0.0, 10.0))
         report = w.report()
         report["llm"] = w.take_llm_pending()  # the figures since its last stats report
@@ -407,7 +409,6 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
         if isinstance(runner, WorkerRunner):
             runner.send_message("calculet_parts", report)
         elif STATE.master is not None:
-            STATE.master.adopt(w)  # a local run's figures stay on view after it ends
             STATE.master.on_parts(report)
     master = STATE.master
     if master is None or master.plan is None or master.ended_wall_ns is not None:
@@ -508,20 +509,16 @@ def worker_slots() -> list[int]:
 
 def live_stats() -> LiveStats | None:
     """The live figures of this process: merged (master), or its own (local run)."""
-    if STATE.master is not None and STATE.master.distributed:
-        return STATE.master.stats
-    if STATE.worker is not None:
-        return STATE.worker.stats
-    return STATE.master.stats if STATE.master is not None else None
+    if STATE.master is not None:
+        return STATE.master.current()[0]
+    return STATE.worker.stats if STATE.worker is not None else None
 
 
 def llm_table() -> LLMTable | None:
     """The LLM tab's figures: merged (master), or this process's own (local run)."""
-    if STATE.master is not None and STATE.master.distributed:
-        return STATE.master.llm
-    if STATE.worker is not None:
-        return STATE.worker.llm
-    return STATE.master.llm if STATE.master is not None else None
+    if STATE.master is not None:
+        return STATE.master.current()[1]
+    return STATE.worker.llm if STATE.worker is not None else None
 
 
 def _reset_llm() -> None:
