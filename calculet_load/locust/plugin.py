@@ -264,6 +264,10 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
             lambda trial: option_problems(trial),
             UI_OPTIONS,
         )
+    if not isinstance(runner, WorkerRunner):
+        from calculet_load.locust import console
+
+        console.install(environment, llm_table, lambda: _master().reports.values())
     from calculet_load.locust import llm as locust_llm
 
     locust_llm.install(environment, llm_table, _reset_llm)  # issue 15: CSV, HTML, resets
@@ -500,6 +504,11 @@ def _on_target_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
 def _on_parts_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
     if STATE.master is not None:
         STATE.master.on_parts(msg.data)
+
+
+def _master() -> Coordinator:
+    assert STATE.master is not None
+    return STATE.master
 
 
 def worker_slots() -> list[int]:
