@@ -25,6 +25,7 @@ from calculet_load.locust.llmstats import LLMTable
 from calculet_load.locust.series import LiveSeries, point_of
 from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options, target_access
 from calculet_load.schema.fs import write_file
+from calculet_load.schema.liveseries import LiveSeriesPoint
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI
 from calculet_load.target.scrape import ServerSampler, sampler_for_run
@@ -227,8 +228,8 @@ class Coordinator:
         elif (w := self.local_worker()) is not None:
             w.target_users = runner.target_user_count or 0
         if self.plan is not None and self.ended_wall_ns is None:
+            self.write_index("running")  # first: the index never waits on the series
             self.series.add(self.point())
-            self.write_index("running")
 
     # --- the figures on view ----------------------------------------------------------------
     def current(self) -> tuple[LiveStats, LLMTable]:
@@ -238,7 +239,7 @@ class Coordinator:
             return w.stats, w.llm
         return self.stats, self.llm
 
-    def point(self, final: bool = False) -> Any:
+    def point(self, final: bool = False) -> LiveSeriesPoint:
         """The live figures now, as a point of the run's series."""
         stats, llm = self.current()
         opts = options(self.env)
@@ -311,8 +312,8 @@ class Coordinator:
             self.fire_burst(int(opts.burst_size), float(opts.burst_lead))
 
     def change_option(self, name: str, value: Any) -> None:
-        """An option an Edit may change while the run goes on (EDITABLE_LIVE), set and
-        listed in the index's `option_changes`; the rate goes through change_rate."""
+        """An option an Edit may change while the run goes on (calculet_load.locust.edit),
+        set and listed in the index's `option_changes`; the rate goes through change_rate."""
         if name == "rate":
             self.change_rate(float(value))
             return

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from calculet_load.locust.edit import as_option, flag, live_options, read_edit
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmreport import TAB_COLUMNS, html_section, inject, tab_rows
 from calculet_load.locust.llmstats import LLMTable
+
+log = logging.getLogger("calculet_load")
 
 TAB = "calculet"
 COLUMNS = TAB_COLUMNS
@@ -154,7 +157,10 @@ def install(
         elif path.endswith("/swarm") and "calculet_edit" in g and resp.is_json:
             if (resp.get_json() or {}).get("success"):
                 for key, value in g.calculet_edit.items():
-                    coordinator().change_option(key, value)
+                    try:
+                        coordinator().change_option(key, value)
+                    except ValueError as exc:  # the run ended as the Edit came in
+                        log.warning("calculet: Edit of %s not applied: %s", flag(key), exc)
         elif request.endpoint == "locust.index" and resp.status_code == 200:
             resp.direct_passthrough = False
             page = resp.get_data(as_text=True)
