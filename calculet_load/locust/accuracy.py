@@ -213,6 +213,33 @@ def check_reports(reports: Iterable[dict[str, Any]], budget_ms: float) -> list[s
     return Accuracy.from_wires(r.get("accuracy") for r in reports).problems(budget_ms)
 
 
+def verdict_line(reports: Iterable[dict[str, Any]], budget_ms: float) -> str:
+    """The self-check's verdict in one line, for the end of a run's console: whether the
+    client kept up in every cell it sent requests in, or where it did not."""
+    acc = Accuracy.from_wires(r.get("accuracy") for r in reports)
+    judged = [cell for cell, hists in acc.cells.items() if any(h.count for h in hists.values())]
+    if not judged:
+        return "calculet self-check: no request was sent, so there is no timing to judge"
+    problems = acc.problems(budget_ms)
+    figures = ", ".join(LABELS.values())
+    if not problems:
+        return (
+            f"calculet self-check: the client kept up in every cell ({_cells(len(judged))}: "
+            f"{figures} P99 within {budget_ms:g} ms, --accuracy-ms): the timings are the "
+            "server's"
+        )
+    return (
+        f"calculet self-check: CLIENT SATURATED in {len(problems)} of {_cells(len(judged))} "
+        f"(budget {budget_ms:g} ms, --accuracy-ms): {'; '.join(problems)}; the "
+        "timings there are the client's, not the server's (exit 3): add worker processes "
+        "or lower the load"
+    )
+
+
+def _cells(n: int) -> str:
+    return f"{n} cell" if n == 1 else f"{n} cells"
+
+
 def self_check(environment: Environment, reports: Iterable[dict[str, Any]], run_id: str) -> None:
     """At the end of a run (the master, or the one local process): the cells where the
     client could not keep up are named, and the run exits 3."""

@@ -22,8 +22,10 @@ from locust.runners import MasterRunner
 from calculet_load.locust.clocksync import ClockSync
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import LLMTable
+from calculet_load.locust.series import LiveSeries, point_of
 from calculet_load.locust.worker import OPEN_LOOP, Plan, Worker, _run_id, options, target_access
 from calculet_load.schema.fs import write_file
+from calculet_load.schema.liveseries import LiveSeriesPoint
 from calculet_load.schema.profiles import profile_named
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
 from calculet_load.target.api import TargetAPI
@@ -51,8 +53,12 @@ class Coordinator:
         self.started_wall_ns = 0
         self.ended_wall_ns: int | None = None
         self.bursts: list[dict[str, Any]] = []
+        # the burst options an Edit changed while the run went on, in order
+        self.option_changes: list[dict[str, Any]] = []
+        self.series = LiveSeries()  # the live figures over time (the tab's charts)
         self._loop: gevent.Greenlet[..., Any] | None = None
         self._burster: gevent.Greenlet[..., Any] | None = None
+        self._bursts_changed = gevent.event.Event()
         self._burst_seq = 0
         self._sampler: ServerSampler | None = None  # issue 9
         # issue 15: each worker's wall-clock offset to this master (set up on a master)
@@ -87,6 +93,8 @@ class Coordinator:
         self.llm = LLMTable()
         self.reports = {}
         self.bursts = []
+        self.option_changes = []
+        self._bursts_changed.clear()
         self.started_wall_ns = time.time_ns()
         self.ended_wall_ns = None
         self.server_traces = None
@@ -101,6 +109,7 @@ class Coordinator:
             users=int(getattr(self.env.runner, "target_user_count", 0) or 0),
         )
         opts.calculet_plan = self.plan.to_json()
+        self.series.start(run_dir)
         self.write_index("running")
         # issue 9: the target's /metrics and process into server/ while the run goes on
         if self._sampler is not None:
@@ -224,13 +233,59 @@ class Coordinator:
         elif (w := self.local_worker()) is not None:
             w.target_users = runner.target_user_count or 0
         if self.plan is not None and self.ended_wall_ns is None:
-            self.write_index("running")
+            self.write_index("running")  # first: the index never waits on the series
+            self.series.add(self.point())
+
+    # --- the figures on view ----------------------------------------------------------------
+    def current(self) -> tuple[LiveStats, LLMTable]:
+        """The run's live figures: merged from the workers, or a local run's own (its
+        worker's while it runs; adopted when it stops, and kept until the next start)."""
+        if not self.distributed and (w := self.local_worker()) is not None:
+            return w.stats, w.llm
+        return self.stats, self.llm
+
+    def point(self, final: bool = False) -> LiveSeriesPoint:
+        """The live figures now, as a point of the run's series."""
+        stats, llm = self.current()
+        opts = options(self.env)
+        runner = self.env.runner
+        open_loop = self.plan is not None and self.plan.arrival in OPEN_LOOP
+        return point_of(
+            llm,
+            stats,
+            wall_ns=time.time_ns(),
+            started_wall_ns=self.started_wall_ns,
+            users=int(runner.user_count if runner is not None else 0),
+            rate=float(opts.rate) if open_loop else None,
+            final=final,
+        )
+
+    def marks(self) -> list[dict[str, Any]]:
+        """What the charts mark: each rate change (at its schedule instant, as a wall
+        time) and each burst (at its fire-at), in time order."""
+        plan = self.plan
+        if plan is None:
+            return []
+        out = [
+            {"wall_ns": plan.origin_wall_ns + at_ns, "kind": "rate", "label": f"{rate:g}/s"}
+            for at_ns, rate in plan.rate_changes
+        ]
+        out += [
+            {"wall_ns": b["fire_at_wall_ns"], "kind": "burst", "label": f"burst {b['size']}"}
+            for b in self.bursts
+        ]
+        return sorted(out, key=lambda m: int(m["wall_ns"]))
 
     # --- rate changes (web UI, load shape) ----------------------------------------------
     def change_rate(self, rate: float, lead_s: float = 0.5) -> None:
         plan = self.plan
-        if plan is None or plan.arrival not in OPEN_LOOP:
-            raise ValueError("the rate applies to an open-loop run that is running")
+        if plan is None or self.ended_wall_ns is not None:
+            raise ValueError("no run is running")
+        if plan.arrival not in OPEN_LOOP:
+            raise ValueError(
+                f"the rate applies to an open-loop run (--arrival poisson, constant, gamma "
+                f"or replay); this run's arrival is {plan.arrival}"
+            )
         at_ns = max(time.time_ns() + int(lead_s * 1e9) - plan.origin_wall_ns, 0)
         plan.rate_changes.append((at_ns, rate))
         options(self.env).rate = rate
@@ -244,17 +299,37 @@ class Coordinator:
 
     # --- bursts ---------------------------------------------------------------------------
     def _burst_loop(self, delay: float) -> None:
+        """`--arrival burst`: one burst after the start delay, then one every
+        `--burst-every` s (0: no more). An Edit of the size or the period takes effect
+        at once: the next burst is due a period after the last one (now, if that passed)."""
         opts = options(self.env)
         gevent.sleep(delay)
+        last = time.monotonic()
+        self.fire_burst(int(opts.burst_size), float(opts.burst_lead))
         while True:
+            every = float(opts.burst_every)
+            wait = None if every <= 0 else max(last + every - time.monotonic(), 0.0)
+            self._bursts_changed.clear()
+            if wait is None or wait > 0:
+                self._bursts_changed.wait(wait)
+                continue
+            last = time.monotonic()
             self.fire_burst(int(opts.burst_size), float(opts.burst_lead))
-            if float(opts.burst_every) <= 0:
-                return
-            gevent.sleep(float(opts.burst_every))
+
+    def change_option(self, name: str, value: Any) -> None:
+        """An option an Edit may change while the run goes on (calculet_load.locust.edit),
+        set and listed in the index's `option_changes`; the rate goes through change_rate."""
+        if name == "rate":
+            self.change_rate(float(value))
+            return
+        setattr(options(self.env), name, value)
+        self.option_changes.append({"wall_ns": time.time_ns(), "option": name, "value": value})
+        self._bursts_changed.set()
+        log.info("calculet: --%s %s from now on", name.replace("_", "-"), value)
 
     def fire_burst(self, size: int, lead_s: float) -> dict[str, Any]:
         plan = self.plan
-        if plan is None:
+        if plan is None or self.ended_wall_ns is not None:
             raise ValueError("no run is running")
         self._burst_seq += 1
         burst_id = f"{plan.run_id}.b{self._burst_seq:04d}"
@@ -293,7 +368,8 @@ class Coordinator:
             self.llm.merge_wire(wire.get("llm") or {})
 
     def adopt(self, worker: Worker) -> None:
-        """A local run's own figures become this side's when its worker ends."""
+        """A local run's own figures become this side's when its worker stops (and stay
+        on view until the next start)."""
         self.stats, self.llm = worker.stats, worker.llm
 
     def on_parts(self, report: dict[str, Any]) -> None:
@@ -325,6 +401,10 @@ class Coordinator:
             if clock is not None:
                 entry["master_clock_sync"] = clock
             workers.append(IndexWorker(**entry))
+        if status == "complete" and not self.series.closed:
+            self.series.add(self.point(final=True))  # every request of the run has ended
+            self.series.close()
+        extra = {"option_changes": list(self.option_changes)} if self.option_changes else {}
         index = ClientIndex(
             run_id=plan.run_id,
             status="incomplete" if missing else status,
@@ -335,6 +415,8 @@ class Coordinator:
             target=self.env.host,
             workers=workers,
             bursts=[{**b, **burst_spread(b["id"], self.reports.values())} for b in self.bursts],
+            live_series=self.series.descriptor(),
+            **extra,
         )
         if self.server_traces is not None:
             index.server_traces = self.server_traces

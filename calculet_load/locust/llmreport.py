@@ -247,3 +247,47 @@ def inject(report: str, section: str) -> str:
     if at < 0:
         return report + section
     return report[:at] + section + report[at:]
+
+
+# --- the headless console ---------------------------------------------------------------
+CONSOLE_NAME_WIDTH = 34
+CONSOLE_METRICS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
+
+
+def console_lines(table: LLMTable, *, current: bool) -> list[str]:
+    """The compact LLM table printed beside Locust's on the console: per cell (when
+    there are several) and Aggregated, the counts, TTFT, TPOT and ITL p50/p99 in ms
+    since the last reset, and output tokens/s over the last 10 s (`current`) or since
+    the reset (at the end, as Locust's own table does); then the errors by class."""
+    w = CONSOLE_NAME_WIDTH
+    when = "over the last 10 s" if current else "since the start"
+    head = f"{'LLM (calculet)':<{w}} {'# reqs':>7} {'# fails':>8} {'# cancel':>8}"
+    for label, _ in CONSOLE_METRICS:
+        head += f" | {label + ' p50':>8} {'p99':>7}"
+    head += f" | {'tok/s':>8}"
+    sep = "-" * len(head)
+    metrics = [m for _, m in CONSOLE_METRICS]
+    total = table.entries(metrics=metrics)
+    recent = table.entries(recent=True, metrics=()) if current else total
+    rows = [name for name in total if name != AGGREGATED]
+    lines = [head, sep]
+    for name in [*(rows if len(rows) > 1 else []), AGGREGATED]:
+        if name == AGGREGATED and len(rows) > 1:
+            lines.append(sep)
+        e = total[name]
+        c = e.counts
+        line = f"{name[:w]:<{w}} {c['requests']:>7} {c['failures']:>8} {c['cancelled']:>8}"
+        for _, metric in CONSOLE_METRICS:
+            f = e.figures(metric)
+            line += f" | {_cell(f['p50']):>8} {_cell(f['p99']):>7}"
+        rate_of = recent.get(name, EntryStats()) if current else e
+        line += f" | {_cell(table.per_s(rate_of, 'output_tokens', recent=current)):>8}"
+        lines.append(line)
+    lines.append(sep)
+    errors = ", ".join(f"{cls} {n}" for cls, n in sorted(table.errors.items())) or "none"
+    lines.append(f"ms since the last reset; output tokens/s {when}. Errors by class: {errors}")
+    return lines
+
+
+def _cell(value: float | int | None) -> str:
+    return "-" if value is None else fmt(value)

@@ -123,9 +123,11 @@ class EntryStats:
         default_factory=lambda: {m: LogHistogram() for m in METRICS}
     )
 
-    def merge(self, other: EntryStats) -> None:
+    def merge(self, other: EntryStats, metrics: Iterable[str] | None = None) -> None:
+        """Add `other`'s counts and histograms (only those of `metrics`, when given)."""
         self.counts.update(other.counts)
-        for m, h in other.hist.items():
+        for m in other.hist if metrics is None else metrics:
+            h = other.hist[m]
             if h.count:
                 self.hist[m].merge(h)
 
@@ -158,11 +160,11 @@ class EntryStats:
 Entries = dict[str, EntryStats]
 
 
-def _merge_into(target: Entries, source: Entries) -> None:
+def _merge_into(target: Entries, source: Entries, metrics: Iterable[str] | None = None) -> None:
     for name, e in source.items():
         if name not in target and len(target) >= MAX_NAMES:
             name = OVERFLOW_NAME
-        target.setdefault(name, EntryStats()).merge(e)
+        target.setdefault(name, EntryStats()).merge(e, metrics)
 
 
 class LLMTable:
@@ -260,18 +262,22 @@ class LLMTable:
         self.loop_lag.merge_wire(wire.get("loop_lag", {}))
 
     # --- what comes out ---------------------------------------------------------------
-    def entries(self, *, recent: bool = False) -> Entries:
-        """Aggregated first, then each cell by name: since the reset, or the window."""
+    def entries(self, *, recent: bool = False, metrics: Iterable[str] | None = None) -> Entries:
+        """Aggregated first, then each cell by name: since the reset, or the window.
+        With `metrics`, the merged entries (Aggregated, and each cell of the window)
+        hold only those histograms: the counts and a few figures cost a fraction of all
+        (the series' point a second, the console's table)."""
+        wanted = None if metrics is None else tuple(metrics)
         if recent:
             self._slot()  # drop the seconds that left the window
             source: Entries = {}
             for _, slot in self._slots:
-                _merge_into(source, slot)
+                _merge_into(source, slot, wanted)
         else:
             source = self.total
         agg = EntryStats()
         for e in source.values():
-            agg.merge(e)
+            agg.merge(e, wanted)
         return {AGGREGATED: agg, **dict(sorted(source.items()))}
 
     def span_s(self, *, recent: bool = False) -> float:

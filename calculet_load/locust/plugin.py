@@ -137,6 +137,10 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
             lambda trial: option_problems(trial),
             UI_OPTIONS,
         )
+    if not isinstance(runner, WorkerRunner):
+        from calculet_load.locust import console
+
+        console.install(environment, llm_table, lambda: _master().reports.values())
     from calculet_load.locust import llm as locust_llm
 
     locust_llm.install(environment, llm_table, _reset_llm)  # issue 15: CSV, HTML, resets
@@ -283,6 +287,8 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
     w = STATE.worker
     if w is not None:
         STATE.worker = None
+        if not isinstance(runner, WorkerRunner) and STATE.master is not None:
+            STATE.master.adopt(w)  # a local run's figures stay on view while it stops
         w.stop(timeout_s=max(environment.stop_timeout or 0.0, 10.0))
         report = w.report()
         report["llm"] = w.take_llm_pending()  # the figures since its last stats report
@@ -293,7 +299,6 @@ def _on_test_stop(environment: Environment, **_kw: Any) -> None:
         if isinstance(runner, WorkerRunner):
             runner.send_message("calculet_parts", report)
         elif STATE.master is not None:
-            STATE.master.adopt(w)  # a local run's figures stay on view after it ends
             STATE.master.on_parts(report)
     master = STATE.master
     if master is None or master.plan is None or master.ended_wall_ns is not None:
@@ -391,6 +396,11 @@ def _on_parts_msg(environment: Environment, msg: Any, **_kw: Any) -> None:
         STATE.master.on_parts(msg.data)
 
 
+def _master() -> Coordinator:
+    assert STATE.master is not None
+    return STATE.master
+
+
 def worker_slots() -> list[int]:
     """Worker indexes that take part (this process alone when not distributed)."""
     return STATE.master.workers() if STATE.master is not None else [0]
@@ -398,20 +408,16 @@ def worker_slots() -> list[int]:
 
 def live_stats() -> LiveStats | None:
     """The live figures of this process: merged (master), or its own (local run)."""
-    if STATE.master is not None and STATE.master.distributed:
-        return STATE.master.stats
-    if STATE.worker is not None:
-        return STATE.worker.stats
-    return STATE.master.stats if STATE.master is not None else None
+    if STATE.master is not None:
+        return STATE.master.current()[0]
+    return STATE.worker.stats if STATE.worker is not None else None
 
 
 def llm_table() -> LLMTable | None:
     """The LLM tab's figures: merged (master), or this process's own (local run)."""
-    if STATE.master is not None and STATE.master.distributed:
-        return STATE.master.llm
-    if STATE.worker is not None:
-        return STATE.worker.llm
-    return STATE.master.llm if STATE.master is not None else None
+    if STATE.master is not None:
+        return STATE.master.current()[1]
+    return STATE.worker.llm if STATE.worker is not None else None
 
 
 def _reset_llm() -> None:

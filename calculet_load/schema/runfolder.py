@@ -92,6 +92,8 @@ class ClientIndex(BaseModel):
     workers: list[IndexWorker] = Field(default_factory=list)
     target: str | None = None
     server_traces: dict[str, Any] | None = None  # what the run's stop fetched of the traces
+    # the live figures over time (schema.liveseries: file, schema, points), Locust runs
+    live_series: dict[str, Any] | None = None
 
     def check_sinks(self) -> None:
         """Every worker's sink checked (IndexWorker.check_sink); one that lost rows

@@ -89,7 +89,7 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     sim = SimProcess(tmp)
     try:
         run_dir, prefix, html = tmp / "run", tmp / "stats", tmp / "report.html"
-        _locust(tmp, "locust", [
+        log = _locust(tmp, "locust", [
             "--headless", "-H", sim.url, "-u", "4", "-r", "4", "-t", "12s",
             "--run-dir", str(run_dir), "--csv", str(prefix), "--html", str(html),
         ])  # fmt: skip
@@ -101,6 +101,7 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
             "prefix": prefix,
             "html": html,
             "analyze": analyzed,
+            "log": log,
         }
     finally:
         sim.stop()
@@ -129,6 +130,38 @@ def test_locust_counts_each_request_once(plain_run: dict[str, Any]) -> None:
     assert sum(counted.values()) >= 12
     locust = _locust_counts(plain_run["prefix"])
     assert locust == {**counted, "Aggregated": sum(counted.values())}
+
+
+@pytest.mark.serial  # the plain run's fixture runs in the serial phase (above)
+def test_the_console_shows_the_llm_table_beside_locusts_and_the_verdict(
+    plain_run: dict[str, Any],
+) -> None:
+    """`--headless`: after each of Locust's request tables (every 2 s, and at the end)
+    the LLM table; the end's counts are the records'; then the self-check's verdict."""
+    lines = [re.sub(r"^\[[^]]*\] [^:]*: ", "", x) for x in plain_run["log"].splitlines()]
+    heads = [i for i, x in enumerate(lines) if x.startswith("LLM (calculet)")]
+    locust_heads = [i for i, x in enumerate(lines) if x.startswith("Type") and "# fails" in x]
+    # 12 s at one table every 2 s, and the end's: each of Locust's has ours after it
+    assert len(heads) == len(locust_heads) >= 6, (heads, locust_heads)
+    for ours, theirs in zip(heads, locust_heads, strict=True):
+        block = lines[theirs:ours]
+        assert block[-2].strip().startswith("Aggregated") and block[-1] == "", block
+    last = lines[heads[-1] :]
+    assert "since the start" in last[4] and "Errors by class: none" in last[4], last[:6]
+    agg = last[2].split()
+    assert agg[0] == "Aggregated" and agg[1] != "0"
+    t = _requests(plain_run["run_dir"])
+    assert (
+        int(agg[1])
+        == sum(_counted(t).values())
+        + pc.sum(pc.equal(pc.fill_null(t.column("ext.cancelled_at"), ""), "run_stop")).as_py()
+    )
+    assert float(agg[5]) > 0  # TTFT p50, ms
+    verdict = [x for x in lines if x.startswith("calculet self-check:")]
+    assert len(verdict) == 1 and "the client kept up in every cell (1 cell" in verdict[0]
+    assert lines.index(verdict[0]) > max(
+        i for i, x in enumerate(lines) if x.startswith("Response time percentiles")
+    )
 
 
 def _summary(run_dir: Path) -> dict[tuple[str, str], dict[str, Any]]:

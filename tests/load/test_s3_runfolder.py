@@ -22,6 +22,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from calculet_load.schema.fs import resolve_fs
+from calculet_load.schema.liveseries import read_live_series
 from tests.load.locustproc import LocustRun
 from tests.ports import free_port
 from tests.simproc import SimProcess
@@ -138,6 +139,12 @@ def test_two_workers_write_to_s3_and_analyze_reads_it_back(
     for rel, key in (("server/metrics.jsonl", "samples"), ("server/process.jsonl", "rss_bytes")):
         rows = [json.loads(x) for x in _read(fs, f"{root}/{rel}").splitlines()]
         assert len(rows) >= 8 and all(r[key] for r in rows), rel
+
+    # the master's live series (two workers merged): also rewritten whole, every point
+    points = read_live_series(uri, index["live_series"])
+    assert len(points) == index["live_series"]["points"] >= 8, index["live_series"]
+    assert points[-1].final and points[-1].requests > 0 and points[-1].rate == 12.0
+    assert any(p.ttft_p50_ms is not None and p.in_flight is not None for p in points)
 
     # the same folder, copied to a local path, is judged the same way
     local = tmp_path / "copy"
