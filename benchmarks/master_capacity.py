@@ -24,6 +24,7 @@ with heartbeats and reports; Locust marks a worker missing after 60 s without on
 given rate per worker, from the fit.
 
 Usage: .venv/bin/python benchmarks/master_capacity.py [--quick] [--json out.json]
+       .venv/bin/python benchmarks/master_capacity.py --sweeps replayed --rates 300
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def run_point(
     report = Path(f"{probe}.stats")
     index = tmp / f"run-{port}" / "client" / "index.json"
     sent = (
-        sum(w["requests"] for w in json.loads(index.read_text())["workers"])
+        sum(w.get("requests", 0) for w in json.loads(index.read_text())["workers"])
         if index.exists()
         else 0
     )
@@ -143,10 +144,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer, shorter points (~5 min)")
     ap.add_argument("--per-worker", type=float, default=1.0, help="sweep 1: req/s per worker")
     ap.add_argument("--json", type=Path, help="write the points here")
+    ap.add_argument(
+        "--sweeps",
+        default="workers,rate,replayed",
+        help="which sweeps (the stand-ins replay the rate sweep's last report)",
+    )
+    ap.add_argument("--rates", help="sweep 2's rates per worker, e.g. 1,300")  # fmt: skip
     args = ap.parse_args()
     run_s = 25 if args.quick else 40
     counts = [1, 4, 8] if args.quick else [1, 2, 4, 8, 12, 16]
     rates = [1.0, TARGET_RATE] if args.quick else [1.0, 50.0, 100.0, 200.0, TARGET_RATE]
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
+    wanted = set(args.sweeps.split(","))
+    counts = counts if "workers" in wanted else []
+    rates = rates if wanted & {"rate", "replayed"} else []
     stand_ins = [25, TARGET_WORKERS] if args.quick else [25, 50, TARGET_WORKERS]
     load = os.getloadavg()[0]
     print(f"master_capacity: {os.cpu_count()} cores, load average {load:.2f} at the start")
@@ -166,7 +178,7 @@ def main() -> None:
             sweeps["rate"].append(run_point(tmp, sim.url, 1, rate, run_s))
             print(line(sweeps["rate"][-1]), flush=True)
         recorded = [r for r in sweeps["rate"] if r.get("report")]
-        if recorded:
+        if recorded and "replayed" in wanted:
             source = recorded[-1]
             kib = source["stats_bytes"] / 1024
             print(f"  3. N stand-in workers, each sending the report of the real worker at "
