@@ -65,7 +65,7 @@ KUBE_RUN_TIME = "20s"
 START = time.monotonic()
 
 # Polls a simulator from inside the namespace: prints "health" once it answers, then
-# "first" once it has finished a request.
+# "first" once it has finished a request ("timeout" when the deadline passes first).
 POLL = """
 import sys, time, urllib.request
 url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
@@ -74,17 +74,18 @@ def get(path):
         return urllib.request.urlopen(url + path, timeout=2).read().decode()
     except OSError:
         return ""
-while not get("/health") and time.monotonic() < deadline:
-    time.sleep(0.1)
-print("health", flush=True)
 def finished():
     for line in get("/metrics").splitlines():
         if line.startswith("calculet_requests_finished_total "):
-            return float(line.split()[1])
-    return 0.0
-while finished() == 0 and time.monotonic() < deadline:
-    time.sleep(0.1)
-print("first", flush=True)
+            return float(line.split()[1]) > 0
+    return False
+for name, done in (("health", lambda: get("/health")), ("first", finished)):
+    while not done():
+        if time.monotonic() > deadline:
+            print("timeout", flush=True)
+            raise SystemExit(1)
+        time.sleep(0.1)
+    print(name, flush=True)
 """
 
 
@@ -326,20 +327,18 @@ def headless_run(host: Host, project: str, compose: list[str]) -> None:
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert poll.stdout is not None
-    poll.stdout.readline()  # the simulator answers: the workers may start
-    log = open(host.logs / "compose.log", "a")  # noqa: SIM115
-    up = subprocess.Popen(
-        [*host.ns(True), *compose, "up", "--no-build", "--no-deps", "--scale", "worker=2",
-         "--exit-code-from", "master", "master", "worker"],
-        cwd=REPO, env=host.env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    first = poll.stdout.readline().strip()
-    poll.wait()
-    if first == "first":
-        host.timings["compose up to the first request"] = time.monotonic() - t0
-        say(f"compose: first request finished {time.monotonic() - t0:.1f} s after up")
-    code = up.wait(timeout=300)
-    log.close()
+    with host.after(poll.kill), open(host.logs / "compose.log", "a") as log:
+        if poll.stdout.readline().strip() != "health":  # then the workers may start
+            raise Failed(f"compose: the simulator did not answer /health\n{host.tail('compose')}")
+        up = subprocess.Popen(
+            [*host.ns(True), *compose, "up", "--no-build", "--no-deps", "--scale", "worker=2",
+             "--exit-code-from", "master", "master", "worker"],
+            cwd=REPO, env=host.env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        if poll.stdout.readline().strip() == "first":
+            host.timings["compose up to the first request"] = time.monotonic() - t0
+            say(f"compose: first request finished {time.monotonic() - t0:.1f} s after up")
+        code = up.wait(timeout=300)
     if code != 0:
         code = exit_code(host, project, "master")
         raise Failed(f"compose: the master exited {code}{MEANING.get(code, '')}\n"
@@ -480,7 +479,8 @@ def accept_profile(host: Host) -> None:
 
 def accept_run(host: Host, project: str, compose: list[str]) -> None:
     key = host.logs / "signing.pem"
-    host.run([str(REPO / ".venv/bin/calculet-load"), "keygen", "--out", str(key)], "accept")
+    if not key.exists():  # a rerun signs with the same key
+        host.run([str(REPO / ".venv/bin/calculet-load"), "keygen", "--out", str(key)], "accept")
     env = {"CALCULET_SIGNING_KEY": key.read_text()}
     host.run([*compose, "up", "-d", "--no-build", "accept-sim"], "accept", inside=True, env=env)
     wait_healthy(host, host.container(project, "accept-sim"))
@@ -552,7 +552,7 @@ def main() -> int:
         if "accept" not in args.skip:
             with host.timed("accept"):
                 rerun_on_3(accept_profile, host)
-    except Failed as exc:
+    except (Failed, subprocess.TimeoutExpired) as exc:
         say(f"FAILED: {exc}")
         say(f"logs kept in {logs}")
         return 1
