@@ -518,7 +518,8 @@ def rerun_on_3(step: Callable[[Host], None], host: Host) -> None:
 # ------------------------------------------------------------------ main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="python:3.11-slim",
+    # fully qualified: podman refuses a short name where no search registry is set
+    ap.add_argument("--base", default="docker.io/library/python:3.11-slim",
                     help="the base image, or `local`: made from Debian's packages")  # fmt: skip
     ap.add_argument("--engine", choices=("auto", "docker", "podman"), default="auto")
     ap.add_argument("--skip", action="append", default=[], choices=("kube", "accept"),
@@ -541,7 +542,11 @@ def main() -> int:
         with host.timed("base"):
             base = local_base(host) if args.base == "local" else args.base
             if host.run([host.engine, "image", "inspect", base], "base", check=False).returncode:
-                host.run([host.engine, "pull", base], "base")
+                pull = host.run([host.engine, "pull", base], "base", check=False, timeout=600)
+                if pull.returncode != 0:
+                    raise Failed(f"the base {base} could not be pulled (no registry reached?"
+                                 f" --base local makes one from Debian's packages)\n"
+                                 f"{host.tail('base', 5)}")  # fmt: skip
         with host.timed("image"):
             build_image(host, base)
         with host.timed("compose"):
