@@ -129,6 +129,31 @@ def test_every_option_appears_in_its_programs_help() -> None:
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), (name, flag)
 
 
+def test_the_headless_override_runs_the_same_services_headless() -> None:
+    """deploy/containers/compose.headless.yml (scripts/containers' compose run) changes
+    only two commands: the simulator time-scaled, the master headless with 2 workers."""
+    path = REPO / "deploy" / "containers" / "compose.headless.yml"
+    over = yaml.safe_load(path.read_text())["services"]
+    assert set(over) == {"sim", "master"}
+    assert all(set(s) == {"command"} for s in over.values()), over
+    sim = over["sim"]["command"]
+    scale = _value(sim, "--time-scale")
+    assert 0 < float(scale) < 1
+    assert [t for t in sim if t not in ("--time-scale", scale)] == SERVICES["sim"]["command"]
+    master, base = over["master"]["command"], SERVICES["master"]["command"]
+    assert master[:4] == base[:4] == ["locust", "-f", "locustfiles/calculet.py", "--master"]
+    assert "--headless" in master and _value(master, "--expect-workers") == "2"
+    assert _value(master, "-H") == _value(base, "-H")
+    assert _value(master, "--run-dir").startswith("runs/")  # on the volume
+    for cmd, help_cmd in (
+        (sim, [str(BIN / "calculet-sim"), "--help"]),
+        (master, [sys.executable, "-c", _LOCUST_HELP, _value(master, "-f"), "--help"]),
+    ):
+        out = subprocess.run(help_cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+        for flag in _flags(cmd):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), flag
+
+
 def test_dockerfile_builds_what_compose_runs() -> None:
     steps = _dockerfile()
     known = {"FROM", "ENV", "WORKDIR", "COPY", "RUN", "EXPOSE", "CMD", "ARG", "LABEL", "USER"}
@@ -148,15 +173,17 @@ def test_dockerfile_builds_what_compose_runs() -> None:
     ignored = set((REPO / ".dockerignore").read_text().split())
     assert not ignored & set(copied), ignored & set(copied)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    # the dependencies are installed from pyproject.toml and the readme alone, so a
-    # source change reinstalls none of them; the project itself after its sources
+    # the dependencies are installed from pyproject.toml alone (the readme it names is a
+    # placeholder there), so a change to the sources or the readme reinstalls none of
+    # them; the project itself after its sources
     deps = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and '".[native]"' in a)
     before = {src for w, a in steps[:deps] if w == "COPY" for src in a[:-1]}
-    assert before == {"pyproject.toml", project["project"]["readme"]}, before
+    assert before == {"pyproject.toml"}, before
+    assert f"touch {project['project']['readme']} &&" in " ".join(steps[deps][1])
     install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "-e" in a)
     before = {src for w, a in steps[:install] if w == "COPY" for src in a[:-1]}
     packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    needed = {p.rstrip("*") for p in packages}
+    needed = {p.rstrip("*") for p in packages} | {project["project"]["readme"]}
     assert needed <= before, needed - before
     # both installs take the wheelhouse when the build is given one, and only then
     wheels = "${WHEELS:+--no-index --find-links $WHEELS}"
