@@ -18,10 +18,13 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 
 # The dependencies first, from pyproject.toml alone (pip installs them with an empty
-# placeholder of the project, replaced below), so a source change reinstalls none of them.
-COPY pyproject.toml README.md ./
-RUN pip install ${WHEELS:+--no-index --find-links $WHEELS} ".[native]"
+# placeholder of the project and of its readme, both replaced below), so a change to the
+# sources or the readme reinstalls none of them.
+COPY pyproject.toml ./
+RUN touch README.md \
+ && pip install ${WHEELS:+--no-index --find-links $WHEELS} ".[native]"
 
+COPY README.md ./
 COPY calculet_load ./calculet_load
 COPY calculet_sim ./calculet_sim
 COPY analysis ./analysis
