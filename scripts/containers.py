@@ -54,7 +54,11 @@ IMAGE = "calculet-load:local"  # docker-compose.yml's and deploy/kubernetes/'s i
 PODMAN_COMPOSE = "1.6.0"
 SUITE = "bookworm"
 ROOTFS_PACKAGES = ("python3", "python3-venv", "libpython3.11-dev", "ca-certificates")
-PODMAN_PACKAGES = ("podman", "runc", "netavark", "aardvark-dns", "catatonit", "iproute2")
+# catatonit: the pause process of `kube play`'s pods; iptables: netavark's port and NAT
+# rules (Debian's netavark does not depend on it)
+PODMAN_PACKAGES = (
+    "podman", "runc", "netavark", "aardvark-dns", "catatonit", "iptables", "iproute2",
+)  # fmt: skip
 HOST_CA = Path("/usr/local/share/ca-certificates")
 CONF = REPO / "deploy/containers/containers.conf"
 HEADLESS = ["-f", "docker-compose.yml", "-f", "deploy/containers/compose.headless.yml"]
