@@ -129,11 +129,39 @@ def test_every_option_appears_in_its_programs_help() -> None:
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), (name, flag)
 
 
+def test_the_headless_override_runs_the_same_services_headless() -> None:
+    """deploy/containers/compose.headless.yml (scripts/containers' compose run) changes
+    only two commands: the simulator time-scaled, the master headless with 2 workers."""
+    path = REPO / "deploy" / "containers" / "compose.headless.yml"
+    over = yaml.safe_load(path.read_text())["services"]
+    assert set(over) == {"sim", "master"}
+    assert all(set(s) == {"command"} for s in over.values()), over
+    sim = over["sim"]["command"]
+    scale = _value(sim, "--time-scale")
+    assert 0 < float(scale) < 1
+    assert [t for t in sim if t not in ("--time-scale", scale)] == SERVICES["sim"]["command"]
+    master, base = over["master"]["command"], SERVICES["master"]["command"]
+    assert master[:4] == base[:4] == ["locust", "-f", "locustfiles/calculet.py", "--master"]
+    assert "--headless" in master and _value(master, "--expect-workers") == "2"
+    assert _value(master, "-H") == _value(base, "-H")
+    assert _value(master, "--run-dir").startswith("runs/")  # on the volume
+    for cmd, help_cmd in (
+        (sim, [str(BIN / "calculet-sim"), "--help"]),
+        (master, [sys.executable, "-c", _LOCUST_HELP, _value(master, "-f"), "--help"]),
+    ):
+        out = subprocess.run(help_cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+        for flag in _flags(cmd):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), flag
+
+
 def test_dockerfile_builds_what_compose_runs() -> None:
     steps = _dockerfile()
     known = {"FROM", "ENV", "WORKDIR", "COPY", "RUN", "EXPOSE", "CMD", "ARG", "LABEL", "USER"}
     assert {w for w, _ in steps} <= known, steps
-    assert steps[0] == ("FROM", ["python:3.11-slim"])
+    # the base is a build argument, the registry's image by default (scripts/containers
+    # passes its own with --base)
+    assert steps[0] == ("ARG", ["PYTHON_IMAGE=python:3.11-slim"])
+    assert steps[1] == ("FROM", ["${PYTHON_IMAGE}"])
     assert ("WORKDIR", [APP]) in steps
     copied: list[str] = []
     for word, args in steps:
@@ -144,14 +172,24 @@ def test_dockerfile_builds_what_compose_runs() -> None:
                 copied.append(src.rstrip("/"))
     ignored = set((REPO / ".dockerignore").read_text().split())
     assert not ignored & set(copied), ignored & set(copied)
-    # the project is installed after its sources are in: pyproject, readme, every package
-    install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "pip" in a)
-    before = {src for w, a in steps[:install] if w == "COPY" for src in a[:-1]}
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    # the dependencies are installed from pyproject.toml alone (the readme it names is a
+    # placeholder there), so a change to the sources or the readme reinstalls none of
+    # them; the project itself after its sources
+    deps = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and '".[native]"' in a)
+    before = {src for w, a in steps[:deps] if w == "COPY" for src in a[:-1]}
+    assert before == {"pyproject.toml"}, before
+    assert f"touch {project['project']['readme']} &&" in " ".join(steps[deps][1])
+    install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "-e" in a)
+    before = {src for w, a in steps[:install] if w == "COPY" for src in a[:-1]}
     packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    needed = {"pyproject.toml", project["project"]["readme"]}
-    needed |= {p.rstrip("*") for p in packages}
+    needed = {p.rstrip("*") for p in packages} | {project["project"]["readme"]}
     assert needed <= before, needed - before
+    # both installs take the wheelhouse when the build is given one, and only then
+    wheels = "${WHEELS:+--no-index --find-links $WHEELS}"
+    for i in (deps, install):
+        assert wheels in " ".join(steps[i][1]), steps[i]
+    assert ("ARG", ["WHEELS="]) in steps[: steps.index(("WORKDIR", [APP]))]
     # what the compose commands read at run time is in the image
     for s in SERVICES.values():
         if "-f" in s["command"]:
@@ -164,7 +202,7 @@ def test_the_image_compiles_the_modules_a_response_is_read_with() -> None:
     from sources already copied in, with the extra that holds mypyc; the compiler comes
     and goes within the one step, and a failed build fails the image (`&&` throughout)."""
     steps = _dockerfile()
-    install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "pip" in a)
+    install = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "-e" in a)
     run = " ".join(steps[install][1])
     setup = (REPO / "scripts" / "setup").read_text()
     build = re.search(r"python (-c '[^']*native\.build\(\)[^']*')", setup)
@@ -173,11 +211,14 @@ def test_the_image_compiles_the_modules_a_response_is_read_with() -> None:
     assert parts == [
         "apt-get update",
         "apt-get install -y --no-install-recommends gcc libc6-dev",
-        'pip install -e ".[native]"',
+        "pip install --no-deps ${WHEELS:+--no-index --find-links $WHEELS} -e .",
         f"python {build[1]}",
         "apt-get purge -y --auto-remove gcc libc6-dev",
         "rm -rf /var/lib/apt/lists/*",
     ], parts
+    # the extra (mypyc's mypy, setuptools) is installed with the dependencies before it
+    deps = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and '".[native]"' in a)
+    assert deps < install
     # what native.build compiles is in the image before that step
     copied = {src.rstrip("/") for w, a in steps[:install] if w == "COPY" for src in a[:-1]}
     for rel in native.sources():
@@ -338,11 +379,27 @@ ACCEPT = {n: s for n, s in COMPOSE["services"].items() if s.get("profiles") == [
 
 
 def test_the_accept_profile_is_the_pipeline_as_master_of_worker_containers() -> None:
-    assert set(ACCEPT) == {"accept", "accept-worker"}
+    assert set(ACCEPT) == {"accept-sim", "accept", "accept-worker"}
     accept, worker = ACCEPT["accept"]["command"], ACCEPT["accept-worker"]["command"]
+    sim = ACCEPT["accept-sim"]["command"]
     assert {s["image"] for s in ACCEPT.values()} == {SERVICES["sim"]["image"]}
     assert accept[:2] == ["calculet-load", "accept"] and "--master" in accept
-    assert _value(accept, "--url") == f"http://sim:{_value(SERVICES['sim']['command'], '--port')}"
+    assert _value(accept, "--url") == f"http://accept-sim:{_value(sim, '--port')}"
+    # its own simulator, time-scaled, serving the model artifact the manifest names
+    assert sim[0] == "calculet-sim" and 0 < float(_value(sim, "--time-scale")) < 1
+    manifest = yaml.safe_load((REPO / _value(accept, "--manifest")).read_text())
+    assert _value(sim, "--set") == f"versions.calbin_sha256={manifest['model']['calbin_sha256']}"
+    assert "rehearsal" in manifest["purpose"]  # fewer repetitions than an acceptance
+    assert "ports" not in ACCEPT["accept-sim"]
+    assert ACCEPT["accept"]["depends_on"]["accept-sim"]["condition"] == "service_healthy"
+    assert "healthcheck" in ACCEPT["accept-sim"]
+    # the report is signed with the caller's key, passed through; unsigned without one
+    assert ACCEPT["accept"]["environment"] == {"CALCULET_SIGNING_KEY": "${CALCULET_SIGNING_KEY:-}"}
+    out = subprocess.run(
+        [str(BIN / "calculet-sim"), "--help"], capture_output=True, text=True, timeout=60
+    )
+    for flag in _flags(sim):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout), flag
     assert _value(accept, "--master-bind-host") == "0.0.0.0"
     # the worker is Locust's own worker command, pointed at the pipeline's port
     assert worker[:4] == ["locust", "-f", "locustfiles/calculet.py", "--worker"]

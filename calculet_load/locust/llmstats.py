@@ -91,6 +91,18 @@ def cell_name(record: RequestRecord) -> str:
     return NO_CELL
 
 
+def failure_name(error_class: str, error_code: str | None) -> str:
+    """What a failed request is counted under in Locust's failures table: its class, and
+    the server's code when it has one (`http_5xx: 503`). Never the detail: Locust keys
+    its errors by this text, and each worker ships every key it saw in each report to
+    the master, so a detail that varies per request (a request id, a token count in the
+    message) would make one entry per failed request, on the wire and in the master's
+    memory. The detail is in the request's record."""
+    if error_code and error_code != error_class:
+        return f"{error_class}: {error_code}"
+    return error_class
+
+
 def itl_gaps(events: Iterable[TokenEvent]) -> Iterator[tuple[float, int]]:
     """(ms per token, tokens) per token-carrying event after a request's first: the gap
     since the previous token-carrying event / the tokens of this one, weighing that

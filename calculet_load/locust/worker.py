@@ -30,7 +30,7 @@ from calculet_load.clock import ClockAnchor, SystemClock, clock_provenance
 from calculet_load.locust import clocksync as locust_clocksync
 from calculet_load.locust.accuracy import Accuracy
 from calculet_load.locust.livestats import LiveStats
-from calculet_load.locust.llmstats import LLMTable, cell_name, itl_histogram
+from calculet_load.locust.llmstats import LLMTable, cell_name, failure_name, itl_histogram
 from calculet_load.measure.client import Outcome, Timeouts
 from calculet_load.measure.engine import DEFAULT_IO_ENGINE
 from calculet_load.measure.heap import PACER
@@ -336,7 +336,7 @@ class Worker:
         exc = (
             None
             if out.error_class is None or out.cancelled_at is not None  # cancelled on purpose
-            else RequestFailed(f"{out.error_class}: {(out.error_detail or '')[:120]}")
+            else RequestFailed(failure_name(out.error_class, out.error_code))
         )
         self.env.events.request.fire(
             request_type=record.ext.protocol or self.opts.protocol,
@@ -622,7 +622,8 @@ class Worker:
 
 
 class RequestFailed(Exception):
-    """The exception Locust's request event carries for a failed request (its error class)."""
+    """The exception Locust's request event carries for a failed request: its class and
+    code (llmstats.failure_name), a bounded set of names."""
 
 
 def _selector(path: str) -> Any:
