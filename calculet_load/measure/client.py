@@ -22,6 +22,8 @@ import errno
 import os
 import socket
 import ssl
+import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -53,6 +55,13 @@ from calculet_load.measure.response import (
     run_stopped,
     wire,
 )
+from calculet_load.measure.txstamps import (
+    Counted,
+    TxStamps,
+    ask_send_stamps,
+    drain_of,
+    sent_stamp,
+)
 from calculet_load.schema.access import TargetAccess, access_of
 from calculet_load.schema.records import TokenEvent
 
@@ -77,13 +86,24 @@ _SSLContext = get_original("ssl", "SSLContext")
 
 
 def _plain_tls_context(cafile: str | None = None) -> ssl.SSLContext:
-    """ssl.create_default_context's client context, of the standard library's class."""
+    """ssl.create_default_context's client context, of the standard library's class
+    (with its SSLKEYLOGFILE: the TLS keys for a capture's reader, where it is set)."""
     ctx: ssl.SSLContext = _SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if cafile:
         ctx.load_verify_locations(cafile)
     else:
         ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    keylog = os.environ.get("SSLKEYLOGFILE")
+    if keylog and not sys.flags.ignore_environment:
+        ctx.keylog_filename = keylog
     return ctx
+
+
+class _Conn(Counted, gsocket.socket):  # type: ignore[misc]
+    """A connection of the gevent engine: gevent's socket, counting what it sends
+    (measure.txstamps)."""
+
+    __slots__ = ("tx",)
 
 
 _TIMEOUTS = Timeouts()
@@ -187,7 +207,9 @@ class ConnectionPool:
         try:
             family, sockaddr = self.endpoint.address()
             # gevent's socket has the stdlib socket's interface (not its class).
-            sock = cast(socket.socket, gsocket.socket(family, socket.SOCK_STREAM))
+            conn = _Conn(family, socket.SOCK_STREAM)
+            conn.tx = None
+            sock = cast(socket.socket, conn)
             sock.settimeout(0.0)  # gevent's connect_ex is then the kernel's, no wait
             connected = connect_now(sock, sockaddr)
             sock.settimeout(connect_timeout)
@@ -196,6 +218,9 @@ class ConnectionPool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.endpoint.tls is None:
                 ask_kernel_stamps(sock)
+                # and the transmit times of what it sends (measure.txstamps); not over
+                # TLS, whose records gevent's ssl writes out of this count
+                conn.tx = ask_send_stamps(sock)
             if self.endpoint.tls is not None:
                 # the handshake (and verification) within the connect timeout
                 sock = self.endpoint.tls.wrap_socket(sock, server_hostname=self.endpoint.host)
@@ -344,13 +369,23 @@ def _attempt(
                 out.connect_ns = clock.mono_ns() - began
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
-        sock.settimeout(max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001))
+        limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)
+        tx: TxStamps | None = getattr(sock, "tx", None)
         try:
-            sock.sendall(data)
+            if tx is None:
+                sock.settimeout(limit)
+                sock.sendall(data)
+            else:
+                sock.settimeout(0.0)  # its waits are `_send`'s and `_Reader.read`'s own
+                _send(sock, data, limit)
         except OSError as exc:
             out.unanswered = True
             raise Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
+        out.sent_stamp_source = "send"
+        if tx is not None:
+            tx.expect()
+            _sent(sock, tx, clock, out, ns)
         if cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
@@ -361,6 +396,9 @@ def _attempt(
         run_stopped(out)  # the run stopped and killed this request's greenlet
         killed = exc
     finally:
+        tx = getattr(sock, "tx", None)
+        if sock is not None and tx is not None and out.sent_stamp_source == "send":
+            _sent(sock, tx, clock, out, ns)  # a stamp the driver queued late
         if sock is not None:
             pool.release(sock, reusable and out.error_class is None)
     conclude(run, ns, max_tokens, output_slack_tokens)
@@ -370,11 +408,34 @@ def _attempt(
     return out
 
 
+def _send(sock: socket.socket, data: bytes, timeout_s: float) -> None:
+    """`sendall` on a socket with transmit stamps (at a zero timeout): a wait drains
+    them first, as a partial write's stamp queued would wake it again and again."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            drain_of(sock)
+            gsocket.wait_write(sock.fileno(), timeout_s)
+
+
+def _sent(
+    sock: socket.socket, tx: TxStamps, clock: Clock, out: Outcome, ns: dict[str, int | None]
+) -> None:
+    """t1 from the kernel's transmit stamp of the request's last byte, once read
+    (measure.txstamps); else it stays the time the send returned."""
+    drain_of(sock, clock)
+    t0, t1 = ns["t0"], ns["t1"]
+    if type(clock) is SystemClock and t0 is not None and t1 is not None:
+        ns["t1"], out.sent_stamp_source = sent_stamp(tx, t0, t1)
+
+
 class _Reader(Reads):
     """The reads of one response on a gevent socket: each bounded by the right timeout,
     stamped at the byte, TLS drained into one read."""
 
-    __slots__ = ("clock", "sock")
+    __slots__ = ("clock", "io", "sock")
 
     def __init__(
         self, sock: socket.socket, run: Run, ns: dict[str, int | None], timeouts: Timeouts,
@@ -389,14 +450,25 @@ class _Reader(Reads):
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.sock = sock
         self.clock = run.clock
+        # a socket with transmit stamps waits here, not in gevent's recv: a stamp queued
+        # wakes a wait until read (measure.txstamps), and gevent's would wake again and
+        # again, reading nothing
+        self.io = (
+            gevent.get_hub().loop.io(sock.fileno(), 1)
+            if getattr(sock, "tx", None) is not None
+            else None
+        )
 
     def read(self) -> tuple[bytes, bool]:
         """The next bytes (b"": the peer closed) and whether the peer closed after them."""
         clock, sock = self.clock, self.sock
         limit, kind = self.limit(clock.mono_ns())
-        sock.settimeout(max(limit, 0.001))
         try:
-            data, closed, by_read = self.receive(sock, clock, isinstance(sock, ssl.SSLSocket))
+            if self.io is None:
+                sock.settimeout(max(limit, 0.001))
+                data, closed, by_read = self.receive(sock, clock, isinstance(sock, ssl.SSLSocket))
+            else:
+                data, closed, by_read = self._receive(max(limit, 0.001))
         except (TimeoutError, gsocket.timeout):
             raise Fail(kind, f"no bytes for {limit:.3f} s") from None
         except OSError as exc:
@@ -409,6 +481,20 @@ class _Reader(Reads):
             # benchmarks/timing_accuracy.py, the '@b16' level).
             gevent.sleep(0)
         return data, closed
+
+    def _receive(self, limit_s: float) -> tuple[bytes, bool, bool]:
+        """`receive` at a zero timeout, waiting on the socket itself for at most
+        `limit_s`; a wake with nothing to read reads the transmit stamps."""
+        end = time.monotonic() + limit_s
+        while True:
+            try:
+                return self.receive(self.sock, self.clock, False)
+            except BlockingIOError:
+                drain_of(self.sock, self.clock)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            gsocket.wait(self.io, left)
 
 
 def _read(

@@ -30,6 +30,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine
+from select import POLLIN, POLLOUT
 from typing import Any, TypeVar
 
 import gevent
@@ -60,6 +61,15 @@ from calculet_load.measure.response import (
     wire,
 )
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, name_this_thread
+from calculet_load.measure.txstamps import (
+    Counted,
+    TxStamps,
+    ask_send_stamps,
+    drain_of,
+    sent_stamp,
+    tx_of,
+    tx_on,
+)
 from calculet_load.schema.records import TokenEvent
 
 T = TypeVar("T")
@@ -74,6 +84,16 @@ _start_thread = get_original("_thread", "start_new_thread")
 _allocate_lock = get_original("_thread", "allocate_lock")
 _get_ident = get_original("_thread", "get_ident")
 _socket = get_original("socket", "socket")
+_poll = get_original("select", "poll")
+
+
+class _Conn(Counted, _socket):  # type: ignore[misc,valid-type]
+    """A connection of the thread engine: a standard socket that counts what it sends
+    (measure.txstamps)."""
+
+    __slots__ = ("tx",)
+
+
 _REQUEST = tuple[str, list[tuple[str, str]], bytes]
 # Plain sockets are read by the native reader (measure/reader.c) where it is built;
 # "0" reads them on the engine's loop, as TLS ones are. On by default since stop 35: 3-17 %
@@ -116,6 +136,17 @@ def reads_natively() -> bool:
     """Whether this process's thread engine reads plain sockets with the native reader:
     asked for (READ_NATIVELY, the default) and built."""
     return READ_NATIVELY and _reader_module() is not None
+
+
+def reads_natively_with(engine: IoEngine, clock: Clock) -> bool:
+    """Whether this engine's native reader reads a response timed on `clock`: its reads
+    carry the kernel's receive time, which only the system clock can take."""
+    return (
+        READ_NATIVELY
+        and engine.reader is not None
+        and CMSG_SPACE > 0
+        and type(clock) is SystemClock
+    )
 
 
 def _new_reader() -> Any:
@@ -263,7 +294,8 @@ class EnginePool(ConnectionPool):
         loop = asyncio.get_running_loop()
         try:
             family, sockaddr = self.endpoint.address()
-            sock = _socket(family, socket.SOCK_STREAM)
+            sock = conn = _Conn(family, socket.SOCK_STREAM)
+            conn.tx = None
             sock.setblocking(False)
             deadline = time.monotonic() + connect_timeout
             await _connect(loop, sock, sockaddr, connect_timeout)
@@ -273,10 +305,15 @@ class EnginePool(ConnectionPool):
             tls = self.endpoint.plain_tls()
             if tls is not None:
                 # the handshake (and verification) within the connect timeout
-                conn = BioTLS(sock, tls, self.endpoint.host, CMSG_SPACE)
-                await asyncio.wait_for(_handshake(loop, conn), deadline - time.monotonic())
+                bio = BioTLS(sock, tls, self.endpoint.host, CMSG_SPACE)
+                await asyncio.wait_for(_handshake(loop, bio), deadline - time.monotonic())
                 # the pool and the reads take it for a socket (the part they use)
-                sock = conn  # type: ignore[assignment]
+                sock = bio  # type: ignore[assignment]
+            if READ_NATIVELY and self.engine.reader is not None:
+                # the transmit times of what it sends, TLS records included, where the
+                # native reader reads it: a stamp queued on a socket uvloop watches would
+                # close its watcher (`_wait_io`); the reader reads them (measure.txstamps)
+                conn.tx = ask_send_stamps(conn)
         except BaseException:
             self.open -= 1
             if sock is not None:
@@ -354,17 +391,43 @@ async def _handshake(loop: asyncio.AbstractEventLoop, sock: BioTLS) -> None:
 async def _send_all(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, timeout_s: float
 ) -> None:
+    """Write all of `data`; a wait for room lasts at most `timeout_s` (TimeoutError)."""
     view = memoryview(data)
     while view:
         try:
             view = view[sock.send(view) :]
         except (BlockingIOError, ssl.SSLWantWriteError):
-            await _ready(loop, sock.fileno(), True, timeout_s)
+            await _wait_io(loop, sock, True, timeout_s)
         except ssl.SSLWantReadError:
-            await _ready(loop, sock.fileno(), False, timeout_s)
+            await _wait_io(loop, sock, False, timeout_s)
     if isinstance(sock, BioTLS):  # the last TLS bytes the socket did not take yet
         while not sock.flush():
-            await _ready(loop, sock.fileno(), True, timeout_s)
+            await _wait_io(loop, sock, True, timeout_s)
+
+
+# How often a write that waits for room polls a socket whose transmit stamps are on
+POLL_S = 0.0005
+
+
+async def _wait_io(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool, timeout_s: float
+) -> None:
+    """Wait until `sock` is writable (or readable), at most `timeout_s`. A socket with
+    transmit stamps on is polled instead (every POLL_S, its stamps read each time): a
+    stamp queued on it (a partial write's) makes it report an error to poll, and uvloop
+    closes a watcher that sees one, silently (libuv's uv_poll stops at POLLERR), so it
+    would never wake again."""
+    if tx_of(sock) is None:
+        await _ready(loop, sock.fileno(), write, timeout_s)
+        return
+    end = time.monotonic() + timeout_s
+    poller = _poll()
+    poller.register(sock.fileno(), POLLOUT if write else POLLIN)
+    while not any(ev & (POLLOUT | POLLIN) for _, ev in poller.poll(0)):
+        drain_of(sock)
+        if time.monotonic() >= end:
+            raise TimeoutError("timed out")
+        await asyncio.sleep(POLL_S)
 
 
 async def _until(loop: asyncio.AbstractEventLoop, at_ns: int) -> None:
@@ -448,8 +511,9 @@ class _Response(Reads):
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.engine, self.backlog = engine, engine.backlog
         self.loop = engine.loop
-        # the native reader reads a plain socket whose reads carry the kernel's stamps
-        self.native = READ_NATIVELY and engine.reader is not None and stamps and not self.tls
+        # the native reader reads a socket whose reads carry the kernel's stamps (a TLS
+        # one's records too: decrypted here, `deliver`)
+        self.native = reads_natively_with(engine, run.clock)
         self.lazy = False  # ... and tells the loop at the response's end only
         self.cancel = cancel
         self.sock, self.clock, self.fd = sock, run.clock, sock.fileno()
@@ -488,6 +552,10 @@ class _Response(Reads):
             self._arm()
             return await self.fut
         finally:
+            tx = tx_of(self.sock)
+            if tx is not None:  # transmit stamps the reader read from the error queue
+                for key, stamp, mono, wall in reader.sent(self.fd):
+                    tx.take(key, stamp, mono, wall)
             reader.unwatch(self.fd)
             reading.pop(self.fd, None)
             if self.timer is not None:
@@ -511,6 +579,18 @@ class _Response(Reads):
                 self.since = t  # the idle limit runs from the read
                 taken = self.native_read(data, t, wall, stamp)
                 self.ended = not data
+                if self.tls:
+                    # the TLS records' bytes: the plaintext they complete, stamped with
+                    # this read's arrival (a record still coming waits for the next)
+                    try:
+                        plain, closed = self.sock.feed(data)  # type: ignore[attr-defined]
+                    except OSError as exc:  # ssl.SSLError: as the loop's reads say it
+                        taken, self.ended = Fail("connection_reset", str(exc)), True
+                    else:
+                        if not plain and not closed and data:
+                            continue
+                        self.ended = self.ended or closed
+                        taken = (plain, closed, *taken[2:])
             self.queued += 1
             self.backlog.add(self, taken)
 
@@ -520,6 +600,7 @@ class _Response(Reads):
         if (
             self.native
             and not self.lazy
+            and not self.tls  # its reads end where its records do, never at CRLF CRLF
             and self.chunked
             and self.cancel is None
             and not self.fut.done()
@@ -655,6 +736,7 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     ns: dict[str, int | None] = {"t0": t0, "t1": None, "t2": None, "t6": None}
     reusable = False
     deadline = t0 + int(timeouts.total_s * 1e9)
+    tx: TxStamps | None = None
     try:
         try:
             if taken is not None:
@@ -667,12 +749,16 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
         limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)
+        # transmit stamps only where the native reader reads the response: a stamp that
+        # came late would close uvloop's watcher on the loop's reads (`_wait_io`)
+        tx_on(sock, reads_natively_with(pool.engine, clock))
         try:
             await _send_all(loop, sock, data, limit)
         except OSError as exc:
             out.unanswered = True
             raise Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
+        tx = _sent(sock, clock, out, ns, expect=True)
         if job.cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
@@ -683,9 +769,35 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     except asyncio.CancelledError:
         run_stopped(out)  # the caller was killed (the run stopped): keep what it measured
     finally:
+        if sock is not None and tx is not None:
+            # a stamp the driver queued late, read before the connection idles (the
+            # queue left empty)
+            if out.sent_stamp_source == "send":
+                _sent(sock, clock, out, ns, expect=False)
+            else:
+                drain_of(sock, clock)
         if sock is not None:
             pool.release(sock, reusable and out.error_class is None)
     return conclude(run, ns, job.max_tokens, job.slack)
+
+
+def _sent(
+    sock: socket.socket, clock: Clock, out: Outcome, ns: dict[str, int | None], expect: bool
+) -> TxStamps | None:
+    """t1 from the kernel's transmit stamp of the request's last byte where there is one
+    (measure.txstamps; `expect`: right after the send, which names that byte), else the
+    time the send returned; the connection's stamps, or None."""
+    tx = tx_of(sock)
+    t0, t1 = ns["t0"], ns["t1"]
+    out.sent_stamp_source = None if t1 is None else "send"
+    if tx is None or t0 is None or t1 is None:
+        return tx
+    if expect:
+        tx.expect()
+    drain_of(sock, clock)
+    if type(clock) is SystemClock:
+        ns["t1"], out.sent_stamp_source = sent_stamp(tx, t0, t1)
+    return tx
 
 
 def execute_threaded(

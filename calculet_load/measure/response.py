@@ -144,6 +144,12 @@ class Outcome:
     # (0: it came alone in its read)
     late_bound_ns: int | None = None
     error_output_chars: int = 0  # generated text an error body or error event carried
+    # t1's source: "kernel" (the transmit time of the request's last byte:
+    # measure.txstamps) or "send" (when the last send call returned)
+    sent_stamp_source: str | None = None
+    # t1 from "send" came after t2 from the kernel: the order t1 <= t2 is broken only
+    # because t1 was taken late (the headers arrived while the send call returned)
+    sent_stamp_late: bool = False
 
     @property
     def ok(self) -> bool:
@@ -332,9 +338,6 @@ CMSG_SPACE = (
     if SO_TIMESTAMPNS is not None and hasattr(socket, "CMSG_SPACE")
     else 0
 )
-# A kernel stamp this much before the last stamp (or after the read) is not believed: the
-# wall clock stepped between the arrival and the read; the read's own time is taken.
-_KERNEL_SLACK_NS = 5_000_000
 
 
 def ask_kernel_stamps(sock: socket.socket) -> None:
@@ -367,27 +370,37 @@ def clock_pair(clock: Clock) -> tuple[int, int]:
 
 
 def kernel_ns(
-    anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, floor: int
+    anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, start: int, prev: int = 0
 ) -> int | None:
     """The kernel's receive time of a read's bytes on the monotonic clock, or None.
 
     The kernel stamps CLOCK_REALTIME; `wall_ns` was read right after `read_ns`, so
-    `wall_ns - read_ns` moves it onto the monotonic clock (exact unless the wall clock
-    stepped in between: then the stamp falls outside [floor, read_ns] and is not used).
-    A stamp a little before `floor` (the response's bytes can reach the kernel a few µs
-    before the client's own t1 stamp after its write returned) is taken as `floor`."""
+    `wall_ns - read_ns` moves it onto the monotonic clock (`kernel_wall_ns` says which
+    bounds it must keep, and what they may do to it)."""
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
             sec, nsec = _TIMESPEC.unpack_from(data)
-            return kernel_wall_ns(int(sec) * 1_000_000_000 + int(nsec), read_ns, wall_ns, floor)
+            stamp = int(sec) * 1_000_000_000 + int(nsec)
+            return kernel_wall_ns(stamp, read_ns, wall_ns, start, prev)
     return None
 
 
-def kernel_wall_ns(stamp: int, read_ns: int, wall_ns: int, floor: int) -> int | None:
-    """`kernel_ns` of a receive time already read from its message (CLOCK_REALTIME ns)."""
+def kernel_wall_ns(stamp: int, read_ns: int, wall_ns: int, start: int, prev: int = 0) -> int | None:
+    """`kernel_ns` of a receive time already read from its message (CLOCK_REALTIME ns).
+
+    The bounds, each what a stamp on the monotonic clock must keep:
+    - not after `read_ns`, the read that returned the bytes, nor before `start`, the
+      request's start t0 (taken before its first byte was written): outside, the wall
+      clock stepped between the arrival and the read, and the stamp is not used (None:
+      the read's own time is taken). These reject; they never move a stamp;
+    - not before `prev`, the kernel stamp of the response's read before: the same
+      packet read twice (a read that took the rest of it) through two clock pairs, which
+      differ by at most their jitter (`clock_pair`): raised to it.
+    Nothing else bounds it: a user-space stamp (t1 when the send returned) is later than
+    the bytes it stands for, and a receive stamp before it is the truth."""
     k = stamp - (wall_ns - read_ns)
-    if floor - _KERNEL_SLACK_NS <= k <= read_ns:
-        return max(k, floor)
+    if start <= k <= read_ns:
+        return max(k, prev)
     return None
 
 
@@ -574,6 +587,12 @@ def conclude(
 ) -> Outcome:
     """The outcome's stamps, hash and count checks once the request ended."""
     out = run.out
+    t1, t2 = ns["t1"], ns["t2"]
+    # a t1 taken when the send returned, after the kernel's time of the response's head:
+    # the order is broken by t1's lateness alone, and t2 stays the truth
+    out.sent_stamp_late = (
+        out.sent_stamp_source == "send" and t1 is not None and t2 is not None and t1 > t2
+    )
     out.client_ns = ClientNs(
         request_start=ns["t0"],
         headers_sent=ns["t1"],
@@ -633,8 +652,8 @@ class Reads:
         self.run = run
         self.out = run.out
         self.t = 0  # the stamp of the last read taken (`took`)
-        # when the last read with bytes returned, and its stamp (`stamped_read`: taken by
-        # `took` at once, or later when the thread engine's loop is late)
+        # when the last read with bytes returned, and the last kernel stamp (`stamped_read`:
+        # taken by `took` at once, or later when the thread engine's loop is late)
         self.read_at = self.last_stamp = 0
         self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
         self.eof = False
@@ -672,12 +691,12 @@ class Reads:
         the bytes' kernel receive time or None, when the read before returned). What the
         bytes mean is `took`'s and the parser's, now or later (the thread engine parses
         after the reads waiting when its loop is late: measure.engine)."""
-        prev, floor = self._bounds()
+        prev, start, before = self._bounds()
         kernel = None
         if self.stamps and not tls:
             data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
             t, wall = clock_pair(clock)  # stamp at the byte, before any parsing
-            kernel = kernel_ns(anc, t, wall, floor)
+            kernel = kernel_ns(anc, t, wall, start, before)
         else:
             data = sock.recv(65536)
             t = clock.mono_ns()  # stamp at the byte, before any parsing
@@ -688,15 +707,21 @@ class Reads:
                 # the TLS records' own reads carried the kernel's time: that of the last
                 # one, which completed what was decrypted (the read's time is after it)
                 t, wall = clock_pair(clock)
-                kernel = kernel_ns(sock.take_stamp(), t, wall, floor)
-        if data:
-            self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
+                kernel = kernel_ns(sock.take_stamp(), t, wall, start, before)
+        self._took_at(data, t, kernel)
         return data, closed, t, kernel, prev
 
-    def _bounds(self) -> tuple[int, int]:
-        """A read's (when the read before it returned, the earliest its stamp may be)."""
-        sent = self.ns["t1"] or self.ns["t0"] or 0
-        return self.read_at or sent, max(self.last_stamp, sent)  # the stamp: not before
+    def _bounds(self) -> tuple[int, int, int]:
+        """A read's (when the read before it returned, the request's start, the kernel
+        stamp of the read before: `kernel_wall_ns`'s bounds)."""
+        start = self.ns["t0"] or 0
+        return self.read_at or self.ns["t1"] or start, start, self.last_stamp
+
+    def _took_at(self, data: bytes, t: int, kernel: int | None) -> None:
+        if data:
+            self.read_at = t
+            if kernel is not None:
+                self.last_stamp = kernel
 
     def native_read(
         self, data: bytes, t: int, wall: int, stamp: int
@@ -705,10 +730,11 @@ class Reads:
         its bytes, when it returned (`t`, monotonic; `wall`, the wall clock read right
         after) and the kernel's receive time of its bytes (`stamp`, CLOCK_REALTIME ns, or
         -1). Reads are given in the order they were made."""
-        prev, floor = self._bounds()
-        kernel = kernel_wall_ns(stamp, t, wall, floor) if stamp >= 0 and self.stamps else None
-        if data:
-            self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
+        prev, start, before = self._bounds()
+        kernel = (
+            kernel_wall_ns(stamp, t, wall, start, before) if stamp >= 0 and self.stamps else None
+        )
+        self._took_at(data, t, kernel)
         return data, False, t, kernel, prev
 
     def took(

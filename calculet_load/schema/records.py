@@ -166,9 +166,16 @@ class Ext:
     # spec §14.1 "error responses carry no uninitialized output": an error body or final
     # error event carried generated text (its characters; null: none, or not an error)
     error_output_chars: int | None = None
-    # where the client's stamps came from: "kernel" (the kernel's receive time of each
-    # read's last bytes) or "read" (when the read returned); null: no bytes came
+    # where the client's stamps t2..t6 and its token events came from: "kernel" (the
+    # kernel's receive time of each read's last bytes) or "read" (when the read
+    # returned); null: no bytes came. t0 is always the client's clock before the send
     stamp_source: str | None = None
+    # where t1 came from: "kernel" (the kernel's transmit time of the request's last
+    # byte) or "send" (when the client's last send call returned); null: not sent
+    sent_stamp_source: str | None = None
+    # t1 from "send" is after t2 from the kernel: the headers arrived while the send call
+    # returned, so t1 <= t2 is broken by t1's lateness alone (t2 and the durations hold)
+    sent_stamp_late: bool = False
     # kernel stamps: the longest any read's bytes waited in the kernel for the client
     # (its loop busy; not in the stamps: null with read stamps)
     read_wait_ms: float | None = None
@@ -199,6 +206,8 @@ ADDED_REQUEST_COLUMNS = (
     "ext.stamp_late_bound_ms",
     "ext.connect_ms",
     "ext.turnaround_ms",
+    "ext.sent_stamp_source",
+    "ext.sent_stamp_late",
 )
 
 
