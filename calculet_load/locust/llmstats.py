@@ -198,7 +198,7 @@ class LLMTable:
             c["failures"] += 0 if ok else 1
             c["late"] += 1 if e.late else 0
             c["count_mismatch"] += 1 if e.token_count_mismatch else 0
-            c["output_tokens"] += e.client_output_tokens or 0
+            c["output_tokens"] += record.workload.actual_output_tokens or 0  # confirmed
             if e.send_lag_ms is not None:
                 s.hist["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
             if not ok:  # failed requests never enter latency statistics

@@ -140,10 +140,17 @@ class Ext:
     error_detail: str | None = None
     events: int | None = None  # SSE events received
     token_events: int | None = None  # events that carried >= 1 generated token
-    client_output_tokens: int | None = None  # the client's own count
+    client_output_tokens: int | None = None  # the client's own count: its events' sum
     server_output_tokens: int | None = None  # the server's final total
     server_prompt_tokens: int | None = None  # the prompt length the server reported
-    token_count_source: str | None = None  # usage | tokens_predicted | chunks (fallback)
+    # the per-event counts' source: usage | tokens_predicted | tokenizer | chunks
+    # (fallback), "+usage_total" when the server's total differs from their sum
+    token_count_source: str | None = None
+    # whose count workload.actual_output_tokens is: "server" (its final usage or count)
+    # or "events" (the per-event counts' sum: no total came); null: no count
+    token_total_source: str | None = None
+    # the per-event counts disagree with the server's total beyond the declared slack
+    # (its reason in count_anomaly), or another count anomaly
     token_count_mismatch: bool = False
     connection_reused: bool | None = None
     # a new connection's connect and TLS handshake (and a process's first name lookup),
@@ -208,6 +215,7 @@ ADDED_REQUEST_COLUMNS = (
     "ext.turnaround_ms",
     "ext.sent_stamp_source",
     "ext.sent_stamp_late",
+    "ext.token_total_source",
 )
 
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
 import pytest
 import yaml
 
@@ -190,7 +191,9 @@ def test_a_local_tokenizer_counts_each_event_where_the_server_sends_no_count(
     assert record.ext.token_count_source in ("tokenizer", "tokenizer+usage_total")
     assert (record.ext.token_count_source == "tokenizer") == (sum(counted) == 40)
     assert record.workload.actual_output_tokens == record.ext.server_output_tokens == 40
-    assert not record.ext.token_count_mismatch
+    assert record.ext.client_output_tokens == sum(counted)
+    # the tokenizer's sum, where it differs from the server's, is flagged (no slack declared)
+    assert record.ext.token_count_mismatch == (sum(counted) != 40)
 
     # the same through the CLI a user runs: probe --tokenizer
     code = main(
@@ -233,6 +236,56 @@ def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
     assert set(done.column("ext.prompt_unique_from").to_pylist()) == {0}
     assert set(done.column("ext.server_prompt_tokens").to_pylist()) == {64}
     assert set(done.column("workload.actual_output_tokens").to_pylist()) == {8}
+
+
+@pytest.mark.parametrize("tokenizer", [False, True], ids=["chunks", "tokenizer"])
+def test_output_tokens_and_tokens_per_s_are_the_servers_usage_totals(
+    llama: LlamaServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], tokenizer: bool
+) -> None:
+    """llama.cpp's OpenAI stream has no per-event usage: its tokens are placed in time by
+    one per content chunk (fewer than the tokens: a token that ends inside a UTF-8
+    character comes with the next) or by a local tokenizer re-counting each event's text
+    (more or fewer). Either way the run's output tokens are the sum of the server's usage
+    totals, and its tokens/s counts them; a tokenizer's events that disagree with the
+    usage are flagged in the record and counted by the analysis's count rule."""
+    args = [
+        *("--protocol", "openai-chat", "--target-profile", "llama.cpp"),
+        *("--arrival", "constant", "--rate", "4", "-u", "2", "-r", "2"),
+        *("--prompt-tokens", "32", "--max-tokens", "24"),
+    ]
+    if tokenizer:
+        args += ["--tokenizer", str(tokenizer_path())]
+    run = LocustRun(tmp_path, llama.url, args, workers=0, run_time_s=6.0).start()
+    try:
+        assert run.wait(120) == 0, run.log_text()
+    finally:
+        run.stop()
+    t = run.requests()
+    done = t.filter(pc.is_null(t.column("ext.error_class")))
+    assert done.num_rows >= 10, done.num_rows
+    usage = done.column("ext.server_output_tokens").to_pylist()
+    events = done.column("ext.client_output_tokens").to_pylist()
+    flagged = done.column("ext.token_count_mismatch").to_pylist()
+    assert done.column("workload.actual_output_tokens").to_pylist() == usage
+    assert set(done.column("ext.token_total_source").to_pylist()) == {"server"}
+    if tokenizer:
+        assert flagged == [e != u for e, u in zip(events, usage, strict=True)]
+    else:
+        assert all(e <= u for e, u in zip(events, usage, strict=True)) and not any(flagged)
+    code = main(["analyze", str(run.run_dir)])
+    capsys.readouterr()
+    assert code == (1 if any(flagged) else 0)
+    rows = pa_csv.read_csv(run.run_dir / "summary.csv").to_pylist()  # a row per metric
+    summary = list({(r["cell"], r["partition"]): r for r in rows}.values())
+    assert sum(r["ok"] for r in summary) == done.num_rows  # every success summarized
+    assert sum(r["output_tokens"] for r in summary) == sum(usage)
+    for r in summary:  # the steady window's tokens are part of the totals
+        if r["steady_output_tokens_per_s"] is not None:
+            window = r["steady_output_tokens_per_s"] * r["steady_window_s"]
+            assert window <= r["output_tokens"] + 1e-6, r
+    verdicts = json.loads((run.run_dir / "verdict.json").read_text())["verdicts"]
+    counts = next(v for v in verdicts if v["kind"] == "token_count_mismatch")
+    assert counts["observed"] == sum(flagged), counts
 
 
 def test_accept_against_llama_cpp_passes_with_its_missing_steps_named(
