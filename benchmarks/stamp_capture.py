@@ -17,8 +17,8 @@ Needs tcpdump and the privilege to capture (root, or CAP_NET_RAW).
     .venv/bin/python benchmarks/stamp_capture.py --tls               # through nginx
     # before/after a change: another checkout as the client
     base=$(mktemp -d) && git archive COMMIT | tar -x -C "$base"
-    PYTHONPATH="$base" .venv/bin/python -c \
-        'from calculet_load.measure import native; native.build()'
+    (cd "$base" && PYTHONPATH="$base" "$OLDPWD/.venv/bin/python" -c \
+        'from calculet_load.measure import native; native.build()')
     .venv/bin/python benchmarks/stamp_capture.py --tree "$base"
 """
 
@@ -32,7 +32,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from capturekit import captured, compare, exchanges, read_keylog, read_records, wall_minus_mono
+from capturekit import (
+    Errors,
+    captured,
+    compare,
+    exchanges,
+    read_keylog,
+    read_records,
+    wall_minus_mono,
+)
 from speedkit import ExactServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +70,50 @@ def run_locust(
     return proc.returncode
 
 
+def capture_run(
+    tmp: Path,
+    rate: float,
+    seconds: float,
+    engine: str | None = None,
+    tree: Path = REPO,
+    tls: bool = False,
+) -> tuple[Errors, int, str]:
+    """One Locust run against the exact server (through nginx over TLS with `tls`),
+    captured: (its records against the packets, Locust's exit code, tcpdump's counts).
+    Raises when the capture dropped a packet or missed a byte of a connection."""
+    env = dict(os.environ)
+    env.pop("LOCUST_ACCURACY_MS", None)
+    server = ExactServer(None, 50.0, 10.0)
+    proxy = None
+    keylog = None
+    extra: list[str] = []
+    try:
+        url, port = server.url, server.port
+        if tls:
+            sys.path.insert(0, str(REPO))
+            from tests.load.tlsproxy import Nginx, make_pki
+
+            pki = make_pki(tmp / "pki")
+            proxy = Nginx(tmp, f"127.0.0.1:{server.port}", pki, "capture-key").start()
+            url, port = proxy.url(), proxy.port
+            keylog = tmp / "keys.log"  # the client's TLS keys, to read its records
+            env |= {"SSLKEYLOGFILE": str(keylog), "CAPTURE_API_KEY": "capture-key"}
+            extra = ["--ca-file", str(pki.ca_file), "--api-key-env", "CAPTURE_API_KEY"]
+        pcap = tmp / "capture.pcap"
+        run_dir = tmp / "run"
+        with captured(pcap, port) as cap:
+            code = run_locust(url, run_dir, rate, seconds, engine, tree, env, extra)
+        offset = wall_minus_mono()
+        found, gaps = exchanges(pcap, port, read_keylog(keylog) if keylog else None)
+        if gaps:
+            raise RuntimeError(f"the capture missed {gaps} bytes of the client's connections")
+        return compare(read_records(run_dir), found, offset), code, " ".join(cap.stats.split())
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        server.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rate", type=float, default=20.0, help="Poisson requests/s")
@@ -76,47 +128,20 @@ def main() -> None:
     tree = Path(args.tree).resolve() if args.tree else REPO
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="stamp-capture-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.pop("LOCUST_ACCURACY_MS", None)
-    server = ExactServer(None, 50.0, 10.0)
-    proxy = None
-    keylog = None
-    extra: list[str] = []
+    print(
+        f"stamp_capture: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
+        f"client {tree}, engine {args.io_engine or 'default'}, "
+        f"{'TLS through nginx' if args.tls else 'plain'}, {args.rate:g} req/s, "
+        f"{args.seconds:g} s",
+        flush=True,
+    )
     try:
-        url, port = server.url, server.port
-        if args.tls:
-            sys.path.insert(0, str(REPO))
-            from tests.load.tlsproxy import Nginx, make_pki
-
-            pki = make_pki(tmp / "pki")
-            proxy = Nginx(tmp, f"127.0.0.1:{server.port}", pki, "capture-key").start()
-            url, port = proxy.url(), proxy.port
-            keylog = tmp / "keys.log"
-            env |= {"SSLKEYLOGFILE": str(keylog), "CAPTURE_API_KEY": "capture-key"}
-            extra = ["--ca-file", str(pki.ca_file), "--api-key-env", "CAPTURE_API_KEY"]
-        print(
-            f"stamp_capture: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
-            f"client {tree}, engine {args.io_engine or 'default'}, "
-            f"{'TLS through nginx' if args.tls else 'plain'}, {args.rate:g} req/s, "
-            f"{args.seconds:g} s",
-            flush=True,
+        errors, code, stats = capture_run(
+            tmp, args.rate, args.seconds, args.io_engine, tree, args.tls
         )
-        pcap = tmp / "capture.pcap"
-        run_dir = tmp / "run"
-        with captured(pcap, port) as cap:
-            code = run_locust(
-                url, run_dir, args.rate, args.seconds, args.io_engine, tree, env, extra
-            )
-        offset = wall_minus_mono()
-        print(f"locust exit {code}; tcpdump: {' '.join(cap.stats.split())}")
-        found, gaps = exchanges(pcap, port, read_keylog(keylog) if keylog else None)
-        if gaps:
-            print(f"the capture missed {gaps} bytes of these connections")
-        print(compare(read_records(run_dir), found, offset).table())
+        print(f"locust exit {code}; tcpdump: {stats}")
+        print(errors.table())
     finally:
-        if proxy is not None:
-            proxy.stop()
-        server.stop()
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
