@@ -60,7 +60,7 @@ from calculet_load.measure.txstamps import (
     TxStamps,
     ask_send_stamps,
     drain_of,
-    sent_stamp,
+    settle_t1,
 )
 from calculet_load.schema.access import TargetAccess, access_of
 from calculet_load.schema.records import TokenEvent
@@ -382,10 +382,7 @@ def _attempt(
             out.unanswered = True
             raise Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
-        out.sent_stamp_source = "send"
-        if tx is not None:
-            tx.expect()
-            _sent(sock, tx, clock, out, ns)
+        settle_t1(sock, clock, out, ns, expect=True)
         if cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
@@ -396,9 +393,8 @@ def _attempt(
         run_stopped(out)  # the run stopped and killed this request's greenlet
         killed = exc
     finally:
-        tx = getattr(sock, "tx", None)
-        if sock is not None and tx is not None and out.sent_stamp_source == "send":
-            _sent(sock, tx, clock, out, ns)  # a stamp the driver queued late
+        if sock is not None:  # a stamp the driver queued late; the queue left empty
+            settle_t1(sock, clock, out, ns, expect=False)
         if sock is not None:
             pool.release(sock, reusable and out.error_class is None)
     conclude(run, ns, max_tokens, output_slack_tokens)
@@ -418,17 +414,6 @@ def _send(sock: socket.socket, data: bytes, timeout_s: float) -> None:
         except BlockingIOError:
             drain_of(sock)
             gsocket.wait_write(sock.fileno(), timeout_s)
-
-
-def _sent(
-    sock: socket.socket, tx: TxStamps, clock: Clock, out: Outcome, ns: dict[str, int | None]
-) -> None:
-    """t1 from the kernel's transmit stamp of the request's last byte, once read
-    (measure.txstamps); else it stays the time the send returned."""
-    drain_of(sock, clock)
-    t0, t1 = ns["t0"], ns["t1"]
-    if type(clock) is SystemClock and t0 is not None and t1 is not None:
-        ns["t1"], out.sent_stamp_source = sent_stamp(tx, t0, t1)
 
 
 class _Reader(Reads):

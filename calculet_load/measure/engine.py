@@ -30,7 +30,6 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine
-from select import POLLIN, POLLOUT
 from typing import Any, TypeVar
 
 import gevent
@@ -63,10 +62,9 @@ from calculet_load.measure.response import (
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, name_this_thread
 from calculet_load.measure.txstamps import (
     Counted,
-    TxStamps,
     ask_send_stamps,
-    drain_of,
-    sent_stamp,
+    poll_ready,
+    settle_t1,
     tx_of,
     tx_on,
 )
@@ -84,7 +82,6 @@ _start_thread = get_original("_thread", "start_new_thread")
 _allocate_lock = get_original("_thread", "allocate_lock")
 _get_ident = get_original("_thread", "get_ident")
 _socket = get_original("socket", "socket")
-_poll = get_original("select", "poll")
 
 
 class _Conn(Counted, _socket):  # type: ignore[misc,valid-type]
@@ -141,12 +138,8 @@ def reads_natively() -> bool:
 def reads_natively_with(engine: IoEngine, clock: Clock) -> bool:
     """Whether this engine's native reader reads a response timed on `clock`: its reads
     carry the kernel's receive time, which only the system clock can take."""
-    return (
-        READ_NATIVELY
-        and engine.reader is not None
-        and CMSG_SPACE > 0
-        and type(clock) is SystemClock
-    )
+    native = READ_NATIVELY and engine.reader is not None and CMSG_SPACE > 0
+    return native and type(clock) is SystemClock
 
 
 def _new_reader() -> Any:
@@ -405,29 +398,15 @@ async def _send_all(
             await _wait_io(loop, sock, True, timeout_s)
 
 
-# How often a write that waits for room polls a socket whose transmit stamps are on
-POLL_S = 0.0005
-
-
 async def _wait_io(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool, timeout_s: float
 ) -> None:
-    """Wait until `sock` is writable (or readable), at most `timeout_s`. A socket with
-    transmit stamps on is polled instead (every POLL_S, its stamps read each time): a
-    stamp queued on it (a partial write's) makes it report an error to poll, and uvloop
-    closes a watcher that sees one, silently (libuv's uv_poll stops at POLLERR), so it
-    would never wake again."""
+    """Wait until `sock` is writable (or readable), at most `timeout_s`: on the loop, or
+    polled where its transmit stamps are on (`txstamps.poll_ready` says why)."""
     if tx_of(sock) is None:
         await _ready(loop, sock.fileno(), write, timeout_s)
-        return
-    end = time.monotonic() + timeout_s
-    poller = _poll()
-    poller.register(sock.fileno(), POLLOUT if write else POLLIN)
-    while not any(ev & (POLLOUT | POLLIN) for _, ev in poller.poll(0)):
-        drain_of(sock)
-        if time.monotonic() >= end:
-            raise TimeoutError("timed out")
-        await asyncio.sleep(POLL_S)
+    else:
+        await poll_ready(sock, write, timeout_s)
 
 
 async def _until(loop: asyncio.AbstractEventLoop, at_ns: int) -> None:
@@ -736,7 +715,6 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     ns: dict[str, int | None] = {"t0": t0, "t1": None, "t2": None, "t6": None}
     reusable = False
     deadline = t0 + int(timeouts.total_s * 1e9)
-    tx: TxStamps | None = None
     try:
         try:
             if taken is not None:
@@ -758,7 +736,7 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
             out.unanswered = True
             raise Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
-        tx = _sent(sock, clock, out, ns, expect=True)
+        settle_t1(sock, clock, out, ns, expect=True)
         if job.cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
@@ -769,35 +747,11 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     except asyncio.CancelledError:
         run_stopped(out)  # the caller was killed (the run stopped): keep what it measured
     finally:
-        if sock is not None and tx is not None:
-            # a stamp the driver queued late, read before the connection idles (the
-            # queue left empty)
-            if out.sent_stamp_source == "send":
-                _sent(sock, clock, out, ns, expect=False)
-            else:
-                drain_of(sock, clock)
+        if sock is not None:  # a stamp the driver queued late; the queue left empty
+            settle_t1(sock, clock, out, ns, expect=False)
         if sock is not None:
             pool.release(sock, reusable and out.error_class is None)
     return conclude(run, ns, job.max_tokens, job.slack)
-
-
-def _sent(
-    sock: socket.socket, clock: Clock, out: Outcome, ns: dict[str, int | None], expect: bool
-) -> TxStamps | None:
-    """t1 from the kernel's transmit stamp of the request's last byte where there is one
-    (measure.txstamps; `expect`: right after the send, which names that byte), else the
-    time the send returned; the connection's stamps, or None."""
-    tx = tx_of(sock)
-    t0, t1 = ns["t0"], ns["t1"]
-    out.sent_stamp_source = None if t1 is None else "send"
-    if tx is None or t0 is None or t1 is None:
-        return tx
-    if expect:
-        tx.expect()
-    drain_of(sock, clock)
-    if type(clock) is SystemClock:
-        ns["t1"], out.sent_stamp_source = sent_stamp(tx, t0, t1)
-    return tx
 
 
 def execute_threaded(

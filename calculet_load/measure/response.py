@@ -40,6 +40,7 @@ from calculet_load.measure.protocols import (
     safe_text,
 )
 from calculet_load.measure.sse import SSELineTooLong, SSEParser
+from calculet_load.measure.totals import confirmed_total, disagreement
 from calculet_load.schema.netsigns import is_unreachable
 from calculet_load.schema.records import ClientNs, TokenEvent
 
@@ -608,14 +609,19 @@ def conclude(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
-    _total(out)
+    out.event_tokens = out.output_tokens
+    out.output_tokens, out.total_source, out.count_source = confirmed_total(
+        out.output_tokens, out.server_total, out.ok, out.count_source, out.events > 0
+    )
     if run.jump is not None and out.ok:
         # Only a complete response: a stream cut by an error may end with tokens whose
         # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds
         # them back until the character completes, and it never did).
         out.count_anomaly = run.jump
     if out.ok and out.count_anomaly is None and out.total_source == "server":
-        _check_events(out, output_slack_tokens)
+        out.count_anomaly = disagreement(
+            out.event_tokens, out.output_tokens, out.count_source, output_slack_tokens
+        )
     if max_tokens is not None and out.count_anomaly is None:
         top = max(out.output_tokens, out.server_total or 0)
         if top > max_tokens + output_slack_tokens:
@@ -624,39 +630,6 @@ def conclude(
                 f" (+{output_slack_tokens} slack)"
             )
     return out
-
-
-def _total(out: Outcome) -> None:
-    """The request's count, its confirmed total: the server's final total where a
-    complete response carried one (its usage, llama.cpp's predicted count), else the sum
-    of the per-event counts. The events keep their own counts: they place the tokens in
-    time (the analysis spreads a difference over them, so windows sum to the totals)."""
-    events = out.event_tokens = out.output_tokens
-    if out.ok and out.server_total is not None:
-        out.output_tokens = out.server_total
-        out.total_source = "server"
-        if events != out.server_total and out.count_source in ("chunks", "tokenizer"):
-            # chunks: one token each, but a chunk may carry several (llama.cpp holds a
-            # token that ends inside a UTF-8 character back and sends it with the next);
-            # a tokenizer counts each event's text alone, which can split or merge
-            # differently from the model's own tokens
-            out.count_source += "+usage_total"
-    elif out.events and out.count_source != "missing":
-        out.total_source = "events"
-
-
-def _check_events(out: Outcome, slack: int) -> None:
-    """Flag the per-event counts that disagree with the server's total by more than the
-    declared slack. Counting chunks gives a lower bound (a chunk carries at least one
-    token): only more chunks than tokens disagrees."""
-    events, total = out.event_tokens, out.output_tokens
-    source = out.count_source.split("+")[0] if out.count_source else "events"
-    low = source == "chunks"
-    if events > total + slack or (not low and events < total - slack):
-        out.count_anomaly = (
-            f"per-event counts ({source}) sum to {events}, the server's total is {total}"
-            f" (±{slack} slack)"
-        )
 
 
 # The thread engine's reads (measure.engine) subclass it, and stay interpreted when this

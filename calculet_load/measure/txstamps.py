@@ -23,16 +23,21 @@ the record's `ext.sent_stamp_source` says.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import socket
 import struct
 import termios
+import time
+from select import POLLIN, POLLOUT
 from typing import Any
+
+from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.response import SO_TIMESTAMPNS, clock_pair
+from calculet_load.measure.response import SO_TIMESTAMPNS, Outcome, clock_pair
 
 # linux/net_tstamp.h, linux/errqueue.h, asm-generic/socket.h (where SO_TIMESTAMPNS is 35)
 SO_TIMESTAMPING = 37 if SO_TIMESTAMPNS == 35 else None
@@ -175,6 +180,47 @@ def tx_on(sock: Any, on: bool) -> None:
     except OSError:
         return
     tx.on = on
+
+
+def settle_t1(
+    sock: Any, clock: Clock, out: Outcome, ns: dict[str, int | None], expect: bool
+) -> None:
+    """t1 from the kernel's transmit stamp of the request's last byte where one was read,
+    else the time the send returned; the record's `sent_stamp_source` says which.
+    `expect`: right after the request's send, which names that byte; else at the
+    request's end, for a stamp the driver queued late (the queue is left empty)."""
+    tx = tx_of(sock)
+    t0, t1 = ns["t0"], ns["t1"]
+    if expect or out.sent_stamp_source is None:
+        out.sent_stamp_source = None if t1 is None else "send"
+    if tx is None or t0 is None or t1 is None:
+        return
+    if expect:
+        tx.expect()
+    drain_of(sock, clock)
+    if type(clock) is SystemClock and out.sent_stamp_source == "send":
+        ns["t1"], out.sent_stamp_source = sent_stamp(tx, t0, t1)
+
+
+# How often a write that waits for room polls a socket whose transmit stamps are on
+POLL_S = 0.0005
+_poll = get_original("select", "poll")  # the standard library's: gevent patches select
+
+
+async def poll_ready(sock: Any, write: bool, timeout_s: float) -> None:
+    """Wait until `sock` (with transmit stamps on) is writable (or readable), at most
+    `timeout_s` (TimeoutError), polling it every POLL_S on the running asyncio loop and
+    reading its stamps each time. Not through the loop's own watcher: a stamp queued (a
+    partial write's) makes the socket report POLLERR, and uvloop closes a watcher that
+    sees one, silently (libuv's uv_poll stops at POLLERR), so it would never wake again."""
+    end = time.monotonic() + timeout_s
+    poller = _poll()
+    poller.register(sock.fileno(), POLLOUT if write else POLLIN)
+    while not any(ev & (POLLOUT | POLLIN) for _, ev in poller.poll(0)):
+        drain_of(sock)
+        if time.monotonic() >= end:
+            raise TimeoutError("timed out")
+        await asyncio.sleep(POLL_S)
 
 
 def sent_stamp(tx: TxStamps | None, t0: int, t1: int) -> tuple[int, str]:
