@@ -501,6 +501,9 @@ def _read(
     except StopIteration as done:
         reusable: bool = done.value
         return reusable
+    finally:
+        if rd.io is not None:
+            rd.io.close()  # the response's own watcher (`_Reader._receive`)
 
 
 def run_in_greenlet(fn: Callable[[], T]) -> T:
