@@ -4,8 +4,10 @@ is the other, a dedicated thread). Both share measure.response: the error taxono
 per-request state, the response read (h11 for the head, measure.chunked, measure.sse)
 and the outcome's checks; this module does the waiting.
 
-Stamps are taken when bytes arrive: t1 when the request is fully written, t2/t3/t4/t5
-from the read that completed the headers or the event, t6 at the end of the message.
+Stamps are taken when bytes leave or arrive: t1 the kernel's transmit time of the
+request's last byte on a plain connection (measure.txstamps; else when it is fully
+written), t2/t3/t4/t5 from the read that completed the headers or the event, t6 at the
+end of the message.
 Parsing happens after the stamp. Over TLS (gevent's cooperative ssl) a read's stamp is
 taken when the decrypted bytes return from it, and the plaintext the TLS layer already
 holds (`pending()`, and records already in the socket buffer) is read into the same read
@@ -393,9 +395,8 @@ def _attempt(
         run_stopped(out)  # the run stopped and killed this request's greenlet
         killed = exc
     finally:
-        if sock is not None:  # a stamp the driver queued late; the queue left empty
-            settle_t1(sock, clock, out, ns, expect=False)
         if sock is not None:
+            settle_t1(sock, clock, out, ns, expect=False)  # a stamp the driver queued late
             pool.release(sock, reusable and out.error_class is None)
     conclude(run, ns, max_tokens, output_slack_tokens)
     if killed is not None:

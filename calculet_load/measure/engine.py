@@ -9,9 +9,11 @@ and its stamp) is never held up by the greenlets' work (records, sinks, Locust e
 
 Everything but the waiting is measure.response's, as for the gevent engine
 (measure.client): the same outcome, stamps, counts, errors and retries. Reads are driven
-by the socket's readiness (`add_reader`): with the system clock each read carries the
-kernel's receive time (SO_TIMESTAMPNS, `stamp_source` "kernel"), over TLS too (its
-records come in plain reads: measure.biotls). When the loop is late, reads come before
+by the socket's readiness (the native reader's thread, or `add_reader`): with the system
+clock each read carries the kernel's receive time (SO_TIMESTAMPNS, `stamp_source`
+"kernel"), over TLS too (its records come in plain reads: measure.biotls), and where the
+native reader reads, t1 is the kernel's transmit time of the request's last byte
+(measure.txstamps). When the loop is late, reads come before
 parsing (`_Backlog`): a read stamps its bytes, and only reading a socket after its next
 token arrived could make a token's stamp late. Token events reach `on_token` when the
 request ends, on the caller's greenlet (the records are the same; a live listener sees
@@ -747,9 +749,8 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
     except asyncio.CancelledError:
         run_stopped(out)  # the caller was killed (the run stopped): keep what it measured
     finally:
-        if sock is not None:  # a stamp the driver queued late; the queue left empty
-            settle_t1(sock, clock, out, ns, expect=False)
         if sock is not None:
+            settle_t1(sock, clock, out, ns, expect=False)  # a stamp the driver queued late
             pool.release(sock, reusable and out.error_class is None)
     return conclude(run, ns, job.max_tokens, job.slack)
 
