@@ -514,6 +514,7 @@ class _Response(Reads):
                 self.engine.reader.watch(self.fd, False)
             except OSError:  # the reader cannot take it (out of memory): the loop reads
                 self.native = False
+                tx_on(self.sock, False)  # and no more stamps for its watcher (`_wait_io`)
             else:
                 return await self._wait_native()
         try:
