@@ -49,10 +49,12 @@ BIN = Path(sys.executable).parent
 
 def run_locust(
     url: str, run_dir: Path, rate: float, seconds: float, engine: str | None, tree: Path,
-    env: dict[str, str], extra: list[str],
+    env: dict[str, str], extra: list[str], nice: int = 0,
 ) -> int:  # fmt: skip
-    """A Poisson Locust run, headless, as a user runs it (from `tree`'s sources)."""
+    """A Poisson Locust run, headless, as a user runs it (from `tree`'s sources), at
+    niceness `nice` (every thread of it: set before they start)."""
     cmd = [
+        *(["nice", "-n", str(nice)] if nice else []),
         str(BIN / "locust"), "-f", str(tree / "locustfiles" / "calculet.py"), "--headless",
         "-H", url, "--protocol", "openai-completions", "--prompt-tokens", "128",
         "--max-tokens", "64", "--run-dir", str(run_dir), "--only-summary",
@@ -77,13 +79,18 @@ def capture_run(
     engine: str | None = None,
     tree: Path = REPO,
     tls: bool = False,
+    nice: int = 0,
 ) -> tuple[Errors, int, str]:
     """One Locust run against the exact server (through nginx over TLS with `tls`),
     captured: (its records against the packets, Locust's exit code, tcpdump's counts).
+    `nice` below 0 (root): the server and the client run above the machine's other work,
+    which would delay the server's tokens into bursts and the client's reads past them.
     Raises when the capture dropped a packet or missed a byte of a connection."""
     env = dict(os.environ)
     env.pop("LOCUST_ACCURACY_MS", None)
     server = ExactServer(None, 50.0, 10.0)
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, server.proc.pid, nice)  # one thread: its loop
     proxy = None
     keylog = None
     extra: list[str] = []
@@ -102,7 +109,7 @@ def capture_run(
         pcap = tmp / "capture.pcap"
         run_dir = tmp / "run"
         with captured(pcap, port) as cap:
-            code = run_locust(url, run_dir, rate, seconds, engine, tree, env, extra)
+            code = run_locust(url, run_dir, rate, seconds, engine, tree, env, extra, nice)
         offset = wall_minus_mono()
         found, gaps = exchanges(pcap, port, read_keylog(keylog) if keylog else None)
         if gaps:
