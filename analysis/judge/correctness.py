@@ -129,8 +129,10 @@ _FLAG = {
     "nonfinite": ("ext.nonfinite_field", "responses carried NaN/Inf", "numeric check (§12.2)"),
     "token_count_mismatch": (
         "ext.token_count_mismatch",
-        "records' token counts differ from the server's final total",
-        "token accounting of the protocol adapter or the server's usage fields",
+        "records' per-event token counts disagree with the server's total beyond the "
+        "declared slack, or count anomalies",
+        "token accounting of the protocol adapter or the server's usage fields (a local "
+        "--tokenizer counts each event's text alone; its sum can differ from the model's)",
     ),
     "error_output": (
         "ext.error_output_chars",

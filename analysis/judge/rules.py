@@ -183,7 +183,8 @@ class CrosstalkRule(_Rule):
 
 class MaxCountRule(_Rule):
     """At most `max_count` sent records with the flag: `nonfinite` (NaN/Inf in a
-    response), `token_count_mismatch` (client count ≠ server total) or `error_output`
+    response), `token_count_mismatch` (per-event counts ≠ the server's total beyond the
+    declared slack, or a count anomaly) or `error_output`
     (an error response that carried generated output, §14.1)."""
 
     kind: Literal["nonfinite", "token_count_mismatch", "error_output"]

@@ -3,10 +3,9 @@ intervals, and steady-state throughput.
 
 A **cell** is one (ext.cell, workload.concurrency, ext.arrival, workload.stream): the
 workload entry, the closed-loop concurrency (null in open loop), the arrival shape and
-streaming. Its label joins the four with "|" — `p16-o32|c1|closed|stream`; a missing
-part reads "-", `stream`/`whole` says whether the response streamed. Within a cell each
-quality partition (`analysis.tables.quality.Partition`) is summarized apart: `measured` is what
-rules and comparisons read; `throttled` and `warmup` are reported beside it.
+streaming, labelled `p16-o32|c1|closed|stream` (a missing part reads "-"). Each quality
+partition (`analysis.tables.quality.Partition`) of a cell is summarized apart: `measured`
+is what rules and comparisons read; `throttled` and `warmup` are reported beside it.
 
 Latency metrics take the successes of the partition only (failed requests never enter
 latency statistics); `send_lag_ms` and `turnaround_ms` take every sent request. See
@@ -37,7 +36,7 @@ from analysis.tables.cellkey import CELL_FIELDS, CellKey
 from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.load import TokenParts
 from analysis.tables.quality import Partition, Reason
-from analysis.tables.tokens import EventSums, SteadyWindows, reduce_events
+from analysis.tables.tokens import EventSums, SteadyWindows, confirmed_scale, reduce_events
 from calculet_load.schema.clocks import to_reference_ns
 
 __all__ = [
@@ -365,10 +364,30 @@ def group_cells(
 def _reduce(
     table: pa.Table, tokens: TokenParts, cells: _Cells, windows: SteadyWindows | None = None
 ) -> EventSums:
-    """The token events reduced per group of successes (failures have no ITL)."""
+    """The token events reduced per group of successes (failures have no ITL); with
+    `windows`, each request's events counted to its confirmed total (`_scale`)."""
     n_groups = len(cells.keys) * len(cells.partitions)
     group = np.where(cells.ok & (cells.group >= 0), cells.group, n_groups)
-    return reduce_events(tokens, table.column("request_id"), group, n_groups, windows)
+    ids = table.column("request_id")
+    scale = None if windows is None else _scale(table, tokens, ids)
+    return reduce_events(tokens, ids, group, n_groups, windows, scale)
+
+
+def _scale(table: pa.Table, tokens: TokenParts, ids: Any) -> FloatArray:
+    """Per row, what its events' counts are scaled by to sum to its confirmed total,
+    `workload.actual_output_tokens` (the server's usage where it sent one, else the
+    chosen per-event source's sum: `ext.token_total_source`). The events' own sum is
+    `ext.client_output_tokens`, except in records written before the total's source was
+    (the column null): there a count that took the server's total in place of the
+    events' ("+usage_total") left it unrecorded, and it is summed from the events."""
+    confirmed, sums = (
+        _np(pc.cast(table.column(c), pa.float64()), np.float64, np.nan)
+        for c in ("workload.actual_output_tokens", "ext.client_output_tokens")
+    )
+    legacy = ~_valid(table.column("ext.token_total_source"))
+    source = _np(table.column("ext.token_count_source"), object, "").astype(str)
+    replaced = legacy & np.char.endswith(source, "+usage_total")
+    return confirmed_scale(tokens, ids, confirmed, np.where(replaced, np.nan, sums))
 
 
 def _group(table: pa.Table, cells: _Cells, itl: list[FloatArray]) -> list[CellData]:

@@ -15,6 +15,13 @@ belong to none):
                       window (the batch means of the throughput's interval)
     tokens[g]         tokens of all its events
 
+Token counts are the request's confirmed total (`confirmed_scale`): the per-event counts
+place a request's tokens in time, and where their sum differs from its total (the
+server's usage, where it sent one) each event's count is scaled by total / sum, so the
+difference is spread over the request's events in proportion to them and a window's
+tokens sum to the totals. ITL keeps the events' own counts (a gap divided among the
+tokens that event carried).
+
 and, per request row, `has_events`. A part is read, reduced and dropped before the next.
 The sink writes a record's events into one part; a request whose events turn up in
 several parts (a restarted worker reusing ids) has its ITL recomputed from all of them
@@ -35,7 +42,7 @@ from analysis.stats.quantiles import THROUGHPUT_BATCHES
 from analysis.tables.join import BoolArray, FloatArray, IntArray, positions
 from analysis.tables.load import TokenParts
 
-__all__ = ["EventSums", "SteadyWindows", "batch_of", "reduce_events"]
+__all__ = ["EventSums", "SteadyWindows", "batch_of", "confirmed_scale", "reduce_events"]
 
 _IDX_BITS = 24  # event index bits of the (request row, event index) sort key
 
@@ -153,13 +160,19 @@ class _Reduction:
     """The running sums of `reduce_events`, one part at a time."""
 
     def __init__(
-        self, request_ids: Any, group: IntArray, n_groups: int, windows: SteadyWindows | None
+        self,
+        request_ids: Any,
+        group: IntArray,
+        n_groups: int,
+        windows: SteadyWindows | None,
+        scale: FloatArray | None,
     ) -> None:
         rows = len(group)
         self.request_ids = request_ids
         self.group = group
         self.n_groups = n_groups
         self.windows = windows
+        self.scale = scale
         self.itl = _ItlChunks(n_groups)
         self.seen = np.zeros(rows, dtype=bool)  # requests with token-carrying events so far
         self.split = np.zeros(rows, dtype=bool)  # requests with such events in several parts
@@ -195,14 +208,15 @@ class _Reduction:
         self.has[pos] = True
         wall = t + windows.wall_offset_ns[pos]
         inside = (wall >= np.r_[windows.start_ns, 0][g]) & (wall < np.r_[windows.end_ns, 0][g])
-        self.tokens += np.bincount(g, weights=count, minlength=n + 1)
-        self.window_tokens += np.bincount(g[inside], weights=count[inside], minlength=n + 1)
+        weight = count if self.scale is None else count * self.scale[pos]
+        self.tokens += np.bincount(g, weights=weight, minlength=n + 1)
+        self.window_tokens += np.bincount(g[inside], weights=weight[inside], minlength=n + 1)
         self.touched |= np.bincount(g[inside], minlength=n + 1) > 0
         gi = g[inside]
         b = batch_of(wall[inside], windows.start_ns[gi], windows.end_ns[gi])
         self.batch_tokens += np.bincount(
             gi * THROUGHPUT_BATCHES + b,
-            weights=count[inside],
+            weights=weight[inside],
             minlength=(n + 1) * THROUGHPUT_BATCHES,
         )
 
@@ -220,7 +234,7 @@ class _Reduction:
             self.has,
             self.window_tokens[:n],
             self.touched[:n],
-            self.tokens[:n].astype(np.int64),
+            np.rint(self.tokens[:n]).astype(np.int64),
             self.batch_tokens.reshape(n + 1, THROUGHPUT_BATCHES)[:n],
         )
 
@@ -231,11 +245,14 @@ def reduce_events(
     group: IntArray,
     n_groups: int,
     windows: SteadyWindows | None = None,
+    scale: FloatArray | None = None,
 ) -> EventSums:
     """Reduce the token events of `parts` to EventSums. `group` is each request row's
-    group, `n_groups` for none; without `windows` only the ITL is computed. A
-    successful request's event with a negative token count raises ArtifactError."""
-    reduction = _Reduction(request_ids, group, n_groups, windows)
+    group, `n_groups` for none; without `windows` only the ITL is computed; `scale`, per
+    request row, what its events' counts are multiplied by in the window, batch and
+    total sums (`confirmed_scale`). A successful request's event with a negative token
+    count raises ArtifactError."""
+    reduction = _Reduction(request_ids, group, n_groups, windows, scale)
     for path, part in parts:
         reduction.add(path, part)
         del part  # freed before the next part is read
@@ -244,6 +261,34 @@ def reduce_events(
     # the parts' pages, freed, would stay with Arrow's allocator (~0.4 GB for 50 M events)
     pa.default_memory_pool().release_unused()
     return reduction.sums()
+
+
+def confirmed_scale(
+    parts: TokenParts,
+    request_ids: Any,
+    confirmed: FloatArray,
+    event_sums: FloatArray,
+) -> FloatArray:
+    """Per request row, total / sum: `confirmed` its confirmed total (NaN: none, its
+    events count as they are), `event_sums` the sum of its events' counts (NaN: not
+    recorded; summed here from `parts`, one pass). 1 where either is missing or the sum
+    is 0 (no event to spread a total over: the caller places those tokens otherwise).
+
+    Example: events of 3, 2, 3 tokens (sum 8) and the server's usage 10 → 1.25 each:
+    3.75, 2.5, 3.75 tokens, 10 in all."""
+    sums = np.array(event_sums, dtype=np.float64)
+    unknown = np.isnan(sums) & ~np.isnan(confirmed)
+    if unknown.any():
+        counted = np.zeros(sums.size)
+        for _, part in parts:
+            pos = positions(part.column("request_id"), request_ids)
+            known = pos >= 0
+            counted += np.bincount(
+                pos[known], weights=_ints(part.column("tokens"))[known], minlength=sums.size
+            )
+        sums = np.where(unknown, counted, sums)
+    ok = ~np.isnan(confirmed) & ~np.isnan(sums) & (sums > 0)
+    return np.where(ok, confirmed / np.where(ok, sums, 1.0), 1.0)
 
 
 def _split_events(part: pa.Table, request_ids: Any, split: BoolArray) -> list[IntArray]:

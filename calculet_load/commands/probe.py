@@ -30,7 +30,7 @@ from calculet_load.target.describe import DetectError, detect_profile, model_for
 
 _STAMPS = (
     ("t0", "request_start", "request start"),
-    ("t1", "headers_sent", "request fully written"),
+    ("t1", "headers_sent", "request's last byte left"),
     ("t2", "response_headers", "response headers"),
     ("t3", "first_event", "first stream event"),
     ("t4", "first_token", "first generated token"),
@@ -196,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {label} {'-':>10}            {meaning}")
             continue
         step = (value - prev) / 1e6 if prev is not None else 0.0
-        print(f"  {label} {(value - t0) / 1e6:10.3f} ms (+{step:8.3f})  {meaning}")
+        if label == "t1":  # the kernel's transmit time, or when the send call returned
+            meaning += f" ({record.ext.sent_stamp_source or 'not sent'})"
+        print(f"  {label} {(value - t0) / 1e6:10.3f} ms ({step:+9.3f})  {meaning}")
         prev = value
     d = record.durations_ms
     for name in ("ttfh", "ttfe", "ttft", "tpot", "e2e"):

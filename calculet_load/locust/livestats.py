@@ -312,7 +312,7 @@ class LiveStats:
         s = self.series_for(series_key(record, model))
         outcome = outcome_of(record.ext.error_class)
         s.outcomes[outcome] += 1
-        s.output_tokens += record.ext.client_output_tokens or 0
+        s.output_tokens += record.workload.actual_output_tokens or 0  # confirmed totals
         s.prompt_tokens += record.workload.prompt_tokens or 0
         if outcome == "ok":  # failed requests never enter latency statistics
             d = record.durations_ms

@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from calculet_load.locust.livestats import LogHistogram
-from calculet_load.measure.response import UNANSWERED_CLASSES
 
 if TYPE_CHECKING:
     from calculet_load.schema.records import RequestRecord, TokenEvent
@@ -73,6 +72,7 @@ COUNTS = (
     "dropped",
     "output_tokens",
     "count_mismatch",
+    "answered",  # an HTTP status came back (the end-of-run check: nothing_answered)
 )
 AGGREGATED = "Aggregated"
 WINDOW_S = 10
@@ -231,11 +231,12 @@ class LLMTable:
                 c["dropped"] += 1
                 continue
             c["requests"] += 1
+            c["answered"] += record.result.http_status is not None
             if not ok:  # cancelled on purpose (by its user, at the run's stop), or failed
                 c["cancelled" if e.cancelled_at is not None else "failures"] += 1
             c["late"] += 1 if e.late else 0
             c["count_mismatch"] += 1 if e.token_count_mismatch else 0
-            c["output_tokens"] += e.client_output_tokens or 0
+            c["output_tokens"] += record.workload.actual_output_tokens or 0  # confirmed
             if e.send_lag_ms is not None:
                 s.hist["send_lag_ms"].add(max(e.send_lag_ms, 0.0))
             if not ok:  # failed requests never enter latency statistics
@@ -303,17 +304,16 @@ class LLMTable:
 
 
 def nothing_answered(table: LLMTable) -> str | None:
-    """Why a run's requests measured nothing of the target (none sent, or none got an
-    answer: every failure of a class of UNANSWERED_CLASSES), in one phrase; None when
-    some request was answered."""
-    agg = table.entries()[AGGREGATED]
-    c = agg.counts
-    ended = c["requests"] - c["cancelled"]
-    unanswered = sum(n for cls, n in table.errors.items() if cls in UNANSWERED_CLASSES)
-    if ended == 0:
-        what = f"{c['dropped']} arrivals dropped" if c["dropped"] else "no request ended"
-        return f"no request got an answer ({what})"
-    if ended - unanswered > 0:
+    """Why a run's requests measured nothing of the target (none was sent, or none got
+    an answer: an HTTP status), in one phrase; None when some request was answered."""
+    c = table.entries()[AGGREGATED].counts
+    if c["answered"]:
         return None
-    classes = ", ".join(f"{cls} {n}" for cls, n in sorted(table.errors.items()))
-    return f"none of its {ended} requests got an answer from the target ({classes})"
+    if not c["requests"]:
+        what = f"{c['dropped']} arrivals dropped" if c["dropped"] else "none was sent"
+        return f"no request got an answer ({what})"
+    classes = ", ".join(f"{cls} {n}" for cls, n in sorted(table.errors.items())) or "none"
+    return (
+        f"none of its {c['requests']} requests got an answer from the target (errors: "
+        f"{classes}; cancelled: {c['cancelled']})"
+    )

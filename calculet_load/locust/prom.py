@@ -103,7 +103,8 @@ class ClientCollector(Collector):
         }
         out_tokens = CounterMetricFamily(
             PREFIX + "output_tokens",
-            "Generated tokens received (the server's per-event counts)",
+            "Generated tokens received (each request's confirmed total: the server's usage "
+            "where it sent one)",
             labels=labels,
         )
         prompt_tokens = CounterMetricFamily(
@@ -133,7 +134,7 @@ class ClientCollector(Collector):
             "late_arrivals": ("Open-loop arrivals sent later than --late-ms", "late"),
             "dropped_arrivals": ("Open-loop arrivals not sent (in-flight cap full)", "dropped"),
             "token_count_mismatches": (
-                "Requests whose client token count differs from the server's",
+                "Requests whose per-event token counts disagree with the server's total",
                 "count_mismatch",
             ),
         }

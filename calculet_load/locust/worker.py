@@ -342,7 +342,7 @@ class Worker:
             request_type=record.ext.protocol or self.opts.protocol,
             name=cell_name(record),
             response_time=d.e2e if d.e2e is not None else _elapsed_ms(record),
-            response_length=record.ext.client_output_tokens or 0,
+            response_length=record.workload.actual_output_tokens or 0,
             exception=exc,
             context={},
         )
@@ -660,7 +660,7 @@ def _count(s: LiveStats, record: RequestRecord, model: str = "") -> None:
         c["late"] += 1
     if e.token_count_mismatch:
         c["count_mismatch"] += 1
-    c["output_tokens"] += e.client_output_tokens or 0
+    c["output_tokens"] += record.workload.actual_output_tokens or 0
     c["token_events"] += e.token_events or 0
     c["prompt_tokens"] += record.workload.prompt_tokens or 0
     d = record.durations_ms

@@ -12,6 +12,9 @@ Its reads of the socket can carry the kernel's receive time (`cmsg_space`: recvm
 SO_TIMESTAMPNS asked for on the socket): `take_stamp` gives the control messages of the
 last read that brought bytes, so the plaintext those bytes completed is stamped with
 their arrival, as a plain connection's reads are (measure.response `Reads.receive`).
+Or another reads the socket (the thread engine's native reader, with the kernel's time
+of each read) and hands the bytes to `feed`, which gives the plaintext they completed:
+either way a plaintext byte's stamp is the arrival of the last TLS bytes of its record.
 
 It has the part of SSLSocket's non-blocking interface the engine uses: `do_handshake`,
 `send`, `recv` and `pending` raise `ssl.SSLWantReadError` / `SSLWantWriteError` (or
@@ -136,6 +139,31 @@ class BioTLS:
                     raise ssl.SSLEOFError("EOF occurred in violation of protocol") from None
         self.flush()
         return taken
+
+    def feed(self, data: bytes) -> tuple[bytes, bool]:
+        """TLS bytes another read from the socket (b"": the peer closed) into the TLS
+        object: the plaintext they complete (none while a record is still coming), and
+        whether the stream ended. A certificate or record error is ssl's own."""
+        if data:
+            self._in.write(data)
+        else:
+            self._in.write_eof()
+        chunks = []
+        closed = False
+        while True:
+            try:
+                chunk = self._obj.read(_READ)
+            except ssl.SSLWantReadError:
+                break
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            chunks.append(chunk)
+        self.flush()  # what reading wrote (a key update's answer)
+        return b"".join(chunks), closed
 
     def recv(self, size: int) -> bytes:
         """Plaintext, up to `size` bytes; b"" at the end of the stream."""

@@ -4,8 +4,10 @@ is the other, a dedicated thread). Both share measure.response: the error taxono
 per-request state, the response read (h11 for the head, measure.chunked, measure.sse)
 and the outcome's checks; this module does the waiting.
 
-Stamps are taken when bytes arrive: t1 when the request is fully written, t2/t3/t4/t5
-from the read that completed the headers or the event, t6 at the end of the message.
+Stamps are taken when bytes leave or arrive: t1 the kernel's transmit time of the
+request's last byte on a plain connection (measure.txstamps; else when it is fully
+written), t2/t3/t4/t5 from the read that completed the headers or the event, t6 at the
+end of the message.
 Parsing happens after the stamp. Over TLS (gevent's cooperative ssl) a read's stamp is
 taken when the decrypted bytes return from it, and the plaintext the TLS layer already
 holds (`pending()`, and records already in the socket buffer) is read into the same read
@@ -22,6 +24,8 @@ import errno
 import os
 import socket
 import ssl
+import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -54,6 +58,13 @@ from calculet_load.measure.response import (
     run_stopped,
     wire,
 )
+from calculet_load.measure.txstamps import (
+    Counted,
+    TxStamps,
+    ask_send_stamps,
+    drain_of,
+    settle_t1,
+)
 from calculet_load.schema.access import TargetAccess, access_of
 
 __all__ = [
@@ -78,13 +89,24 @@ _SSLContext = get_original("ssl", "SSLContext")
 
 
 def _plain_tls_context(cafile: str | None = None) -> ssl.SSLContext:
-    """ssl.create_default_context's client context, of the standard library's class."""
+    """ssl.create_default_context's client context, of the standard library's class
+    (with its SSLKEYLOGFILE: the TLS keys for a capture's reader, where it is set)."""
     ctx: ssl.SSLContext = _SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if cafile:
         ctx.load_verify_locations(cafile)
     else:
         ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    keylog = os.environ.get("SSLKEYLOGFILE")
+    if keylog and not sys.flags.ignore_environment:
+        ctx.keylog_filename = keylog
     return ctx
+
+
+class _Conn(Counted, gsocket.socket):  # type: ignore[misc]
+    """A connection of the gevent engine: gevent's socket, counting what it sends
+    (measure.txstamps)."""
+
+    __slots__ = ("tx",)
 
 
 _TIMEOUTS = Timeouts()
@@ -188,7 +210,9 @@ class ConnectionPool:
         try:
             family, sockaddr = self.endpoint.address()
             # gevent's socket has the stdlib socket's interface (not its class).
-            sock = cast(socket.socket, gsocket.socket(family, socket.SOCK_STREAM))
+            conn = _Conn(family, socket.SOCK_STREAM)
+            conn.tx = None
+            sock = cast(socket.socket, conn)
             sock.settimeout(0.0)  # gevent's connect_ex is then the kernel's, no wait
             connected = connect_now(sock, sockaddr)
             sock.settimeout(connect_timeout)
@@ -197,6 +221,9 @@ class ConnectionPool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.endpoint.tls is None:
                 ask_kernel_stamps(sock)
+                # and the transmit times of what it sends (measure.txstamps); not over
+                # TLS, whose records gevent's ssl writes out of this count
+                conn.tx = ask_send_stamps(sock)
             if self.endpoint.tls is not None:
                 # the handshake (and verification) within the connect timeout
                 sock = self.endpoint.tls.wrap_socket(sock, server_hostname=self.endpoint.host)
@@ -349,13 +376,20 @@ def _attempt(
                 out.connect_ns = clock.mono_ns() - began
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
-        sock.settimeout(max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001))
+        limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)
+        tx: TxStamps | None = getattr(sock, "tx", None)
         try:
-            sock.sendall(data)
+            if tx is None:
+                sock.settimeout(limit)
+                sock.sendall(data)
+            else:
+                sock.settimeout(0.0)  # its waits are `_send`'s and `_Reader.read`'s own
+                _send(sock, data, limit)
         except OSError as exc:
             out.unanswered = True
             raise Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
+        settle_t1(sock, clock, out, ns, expect=True)
         if cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
@@ -367,6 +401,7 @@ def _attempt(
         killed = exc
     finally:
         if sock is not None:
+            settle_t1(sock, clock, out, ns, expect=False)  # a stamp the driver queued late
             pool.release(sock, reusable and out.error_class is None)
     conclude(run, ns, max_tokens, output_slack_tokens)
     if killed is not None:
@@ -375,11 +410,23 @@ def _attempt(
     return out
 
 
+def _send(sock: socket.socket, data: bytes, timeout_s: float) -> None:
+    """`sendall` on a socket with transmit stamps (at a zero timeout): a wait drains
+    them first, as a partial write's stamp queued would wake it again and again."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            drain_of(sock)
+            gsocket.wait_write(sock.fileno(), timeout_s)
+
+
 class _Reader(Reads):
     """The reads of one response on a gevent socket: each bounded by the right timeout,
     stamped at the byte, TLS drained into one read."""
 
-    __slots__ = ("clock", "sock")
+    __slots__ = ("clock", "io", "sock")
 
     def __init__(
         self, sock: socket.socket, run: Run, ns: dict[str, int | None], timeouts: Timeouts,
@@ -394,14 +441,25 @@ class _Reader(Reads):
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.sock = sock
         self.clock = run.clock
+        # a socket with transmit stamps waits here, not in gevent's recv: a stamp queued
+        # wakes a wait until read (measure.txstamps), and gevent's would wake again and
+        # again, reading nothing
+        self.io = (
+            gevent.get_hub().loop.io(sock.fileno(), 1)
+            if getattr(sock, "tx", None) is not None
+            else None
+        )
 
     def read(self) -> tuple[bytes, bool]:
         """The next bytes (b"": the peer closed) and whether the peer closed after them."""
         clock, sock = self.clock, self.sock
         limit, kind = self.limit(clock.mono_ns())
-        sock.settimeout(max(limit, 0.001))
         try:
-            data, closed, by_read = self.receive(sock, clock, isinstance(sock, ssl.SSLSocket))
+            if self.io is None:
+                sock.settimeout(max(limit, 0.001))
+                data, closed, by_read = self.receive(sock, clock, isinstance(sock, ssl.SSLSocket))
+            else:
+                data, closed, by_read = self._receive(max(limit, 0.001))
         except (TimeoutError, gsocket.timeout):
             raise Fail(kind, f"no bytes for {limit:.3f} s") from None
         except OSError as exc:
@@ -414,6 +472,20 @@ class _Reader(Reads):
             # benchmarks/timing_accuracy.py, the '@b16' level).
             gevent.sleep(0)
         return data, closed
+
+    def _receive(self, limit_s: float) -> tuple[bytes, bool, bool]:
+        """`receive` at a zero timeout, waiting on the socket itself for at most
+        `limit_s`; a wake with nothing to read reads the transmit stamps."""
+        end = time.monotonic() + limit_s
+        while True:
+            try:
+                return self.receive(self.sock, self.clock, False)
+            except BlockingIOError:
+                drain_of(self.sock, self.clock)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            gsocket.wait(self.io, left)
 
 
 def _read(
@@ -435,6 +507,9 @@ def _read(
     except StopIteration as done:
         reusable: bool = done.value
         return reusable
+    finally:
+        if rd.io is not None:
+            rd.io.close()  # the response's own watcher (`_Reader._receive`)
 
 
 def run_in_greenlet(fn: Callable[[], T]) -> T:

@@ -9,9 +9,11 @@ and its stamp) is never held up by the greenlets' work (records, sinks, Locust e
 
 Everything but the waiting is measure.response's, as for the gevent engine
 (measure.client): the same outcome, stamps, counts, errors and retries. Reads are driven
-by the socket's readiness (`add_reader`): with the system clock each read carries the
-kernel's receive time (SO_TIMESTAMPNS, `stamp_source` "kernel"), over TLS too (its
-records come in plain reads: measure.biotls). When the loop is late, reads come before
+by the socket's readiness (the native reader's thread, or `add_reader`): with the system
+clock each read carries the kernel's receive time (SO_TIMESTAMPNS, `stamp_source`
+"kernel"), over TLS too (its records come in plain reads: measure.biotls), and where the
+native reader reads, t1 is the kernel's transmit time of the request's last byte
+(measure.txstamps). When the loop is late, reads come before
 parsing (`_Backlog`): a read stamps its bytes, and only reading a socket after its next
 token arrived could make a token's stamp late. Token events reach `on_token` as they
 arrive, on the caller's greenlet: the engine queues each and wakes the caller's hub
@@ -62,6 +64,14 @@ from calculet_load.measure.response import (
     wire,
 )
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, name_this_thread
+from calculet_load.measure.txstamps import (
+    Counted,
+    ask_send_stamps,
+    poll_ready,
+    settle_t1,
+    tx_of,
+    tx_on,
+)
 
 T = TypeVar("T")
 IO_ENGINES = ("gevent", "thread")
@@ -75,6 +85,15 @@ _start_thread = get_original("_thread", "start_new_thread")
 _allocate_lock = get_original("_thread", "allocate_lock")
 _get_ident = get_original("_thread", "get_ident")
 _socket = get_original("socket", "socket")
+
+
+class _Conn(Counted, _socket):  # type: ignore[misc,valid-type]
+    """A connection of the thread engine: a standard socket that counts what it sends
+    (measure.txstamps)."""
+
+    __slots__ = ("tx",)
+
+
 _REQUEST = tuple[str, list[tuple[str, str]], bytes]
 # Plain sockets are read by the native reader (measure/reader.c) where it is built;
 # "0" reads them on the engine's loop, as TLS ones are. On by default since stop 35: 3-17 %
@@ -117,6 +136,13 @@ def reads_natively() -> bool:
     """Whether this process's thread engine reads plain sockets with the native reader:
     asked for (READ_NATIVELY, the default) and built."""
     return READ_NATIVELY and _reader_module() is not None
+
+
+def reads_natively_with(engine: IoEngine, clock: Clock) -> bool:
+    """Whether this engine's native reader reads a response timed on `clock`: its reads
+    carry the kernel's receive time, which only the system clock can take."""
+    native = READ_NATIVELY and engine.reader is not None and CMSG_SPACE > 0
+    return native and type(clock) is SystemClock
 
 
 def _new_reader() -> Any:
@@ -314,7 +340,8 @@ class EnginePool(ConnectionPool):
         loop = asyncio.get_running_loop()
         try:
             family, sockaddr = self.endpoint.address()
-            sock = _socket(family, socket.SOCK_STREAM)
+            sock = conn = _Conn(family, socket.SOCK_STREAM)
+            conn.tx = None
             sock.setblocking(False)
             deadline = time.monotonic() + connect_timeout
             await _connect(loop, sock, sockaddr, connect_timeout)
@@ -324,10 +351,15 @@ class EnginePool(ConnectionPool):
             tls = self.endpoint.plain_tls()
             if tls is not None:
                 # the handshake (and verification) within the connect timeout
-                conn = BioTLS(sock, tls, self.endpoint.host, CMSG_SPACE)
-                await asyncio.wait_for(_handshake(loop, conn), deadline - time.monotonic())
+                bio = BioTLS(sock, tls, self.endpoint.host, CMSG_SPACE)
+                await asyncio.wait_for(_handshake(loop, bio), deadline - time.monotonic())
                 # the pool and the reads take it for a socket (the part they use)
-                sock = conn  # type: ignore[assignment]
+                sock = bio  # type: ignore[assignment]
+            if READ_NATIVELY and self.engine.reader is not None:
+                # the transmit times of what it sends, TLS records included, where the
+                # native reader reads it: a stamp queued on a socket uvloop watches would
+                # close its watcher (`_wait_io`); the reader reads them (measure.txstamps)
+                conn.tx = ask_send_stamps(conn)
         except BaseException:
             self.open -= 1
             if sock is not None:
@@ -405,17 +437,29 @@ async def _handshake(loop: asyncio.AbstractEventLoop, sock: BioTLS) -> None:
 async def _send_all(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, timeout_s: float
 ) -> None:
+    """Write all of `data`; a wait for room lasts at most `timeout_s` (TimeoutError)."""
     view = memoryview(data)
     while view:
         try:
             view = view[sock.send(view) :]
         except (BlockingIOError, ssl.SSLWantWriteError):
-            await _ready(loop, sock.fileno(), True, timeout_s)
+            await _wait_io(loop, sock, True, timeout_s)
         except ssl.SSLWantReadError:
-            await _ready(loop, sock.fileno(), False, timeout_s)
+            await _wait_io(loop, sock, False, timeout_s)
     if isinstance(sock, BioTLS):  # the last TLS bytes the socket did not take yet
         while not sock.flush():
-            await _ready(loop, sock.fileno(), True, timeout_s)
+            await _wait_io(loop, sock, True, timeout_s)
+
+
+async def _wait_io(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool, timeout_s: float
+) -> None:
+    """Wait until `sock` is writable (or readable), at most `timeout_s`: on the loop, or
+    polled where its transmit stamps are on (`txstamps.poll_ready` says why)."""
+    if tx_of(sock) is None:
+        await _ready(loop, sock.fileno(), write, timeout_s)
+    else:
+        await poll_ready(sock, write, timeout_s)
 
 
 async def _until(loop: asyncio.AbstractEventLoop, at_ns: int) -> None:
@@ -499,8 +543,9 @@ class _Response(Reads):
         super().__init__(run, ns, timeouts, deadline, stamps)
         self.engine, self.backlog = engine, engine.backlog
         self.loop = engine.loop
-        # the native reader reads a plain socket whose reads carry the kernel's stamps
-        self.native = READ_NATIVELY and engine.reader is not None and stamps and not self.tls
+        # the native reader reads a socket whose reads carry the kernel's stamps (a TLS
+        # one's records too: decrypted here, `deliver`)
+        self.native = reads_natively_with(engine, run.clock)
         self.lazy = False  # ... and tells the loop at the response's end only
         self.cancel = cancel
         self.sock, self.clock, self.fd = sock, run.clock, sock.fileno()
@@ -520,6 +565,7 @@ class _Response(Reads):
                 self.engine.reader.watch(self.fd, False)
             except OSError:  # the reader cannot take it (out of memory): the loop reads
                 self.native = False
+                tx_on(self.sock, False)  # and no more stamps for its watcher (`_wait_io`)
             else:
                 return await self._wait_native()
         try:
@@ -539,6 +585,10 @@ class _Response(Reads):
             self._arm()
             return await self.fut
         finally:
+            tx = tx_of(self.sock)
+            if tx is not None:  # transmit stamps the reader read from the error queue
+                for key, stamp, mono, wall in reader.sent(self.fd):
+                    tx.take(key, stamp, mono, wall)
             reader.unwatch(self.fd)
             reading.pop(self.fd, None)
             if self.timer is not None:
@@ -562,6 +612,18 @@ class _Response(Reads):
                 self.since = t  # the idle limit runs from the read
                 taken = self.native_read(data, t, wall, stamp)
                 self.ended = not data
+                if self.tls:
+                    # the TLS records' bytes: the plaintext they complete, stamped with
+                    # this read's arrival (a record still coming waits for the next)
+                    try:
+                        plain, closed = self.sock.feed(data)  # type: ignore[attr-defined]
+                    except OSError as exc:  # ssl.SSLError: as the loop's reads say it
+                        taken, self.ended = Fail("connection_reset", str(exc)), True
+                    else:
+                        if not plain and not closed and data:
+                            continue
+                        self.ended = self.ended or closed
+                        taken = (plain, closed, *taken[2:])
             self.queued += 1
             self.backlog.add(self, taken)
 
@@ -571,6 +633,7 @@ class _Response(Reads):
         if (
             self.native
             and not self.lazy
+            and not self.tls  # its reads end where its records do, never at CRLF CRLF
             and self.chunked
             and self.cancel is None
             and self.run.on_token is None  # a live listener wants each read as it comes
@@ -723,12 +786,16 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
         except (PoolExhausted, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
             raise connect_fail(exc, pool.max_connections) from None
         limit = max(min(timeouts.idle_s, (deadline - clock.mono_ns()) / 1e9), 0.001)
+        # transmit stamps only where the native reader reads the response: a stamp that
+        # came late would close uvloop's watcher on the loop's reads (`_wait_io`)
+        tx_on(sock, reads_natively_with(pool.engine, clock))
         try:
             await _send_all(loop, sock, data, limit)
         except OSError as exc:
             out.unanswered = True
             raise Fail("connection_reset", f"while sending: {exc}") from None
         ns["t1"] = clock.mono_ns()
+        settle_t1(sock, clock, out, ns, expect=True)
         if job.cancel == "before_headers":
             out.cancelled_at = "before_headers"
             raise Fail("cancelled", "cancelled after the request was sent, before headers")
@@ -740,6 +807,7 @@ async def _attempt(loop: asyncio.AbstractEventLoop, job: _Job, fresh: bool) -> O
         run_stopped(out)  # the caller was killed (the run stopped): keep what it measured
     finally:
         if sock is not None:
+            settle_t1(sock, clock, out, ns, expect=False)  # a stamp the driver queued late
             pool.release(sock, reusable and out.error_class is None)
     return conclude(run, ns, job.max_tokens, job.slack)
 

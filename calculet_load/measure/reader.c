@@ -20,6 +20,11 @@
  * not wait for the interpreter lock: the engine parses the reads later, in order, with
  * the stamps they were taken with (the same parser, the same figures).
  *
+ * A socket that asked for the transmit stamps of what it sends (measure/txstamps.py)
+ * reports an error to epoll while one waits in its error queue: such a wake-up reads the
+ * queue (read_errqueue) and keeps the stamps for the engine (`sent`), or the thread would
+ * wake again and again, reading nothing.
+ *
  * No Python object is touched in the thread; a mutex guards the table of sockets, and
  * `unwatch` returns only when the thread no longer reads that socket.
  */
@@ -28,6 +33,8 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <linux/errqueue.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,6 +51,23 @@
 #ifndef SCM_TIMESTAMPNS
 #define SCM_TIMESTAMPNS SO_TIMESTAMPNS
 #endif
+#ifndef SO_TIMESTAMPING
+#define SO_TIMESTAMPING 37
+#endif
+#ifndef SCM_TIMESTAMPING
+#define SCM_TIMESTAMPING SO_TIMESTAMPING
+#endif
+#ifndef IP_RECVERR
+#define IP_RECVERR 11
+#endif
+#ifndef IPV6_RECVERR
+#define IPV6_RECVERR 25
+#endif
+#ifndef SO_EE_ORIGIN_TIMESTAMPING
+#define SO_EE_ORIGIN_TIMESTAMPING 4
+#endif
+#define ERRQUEUE_CMSG 256 /* SCM_TIMESTAMPNS, SCM_TIMESTAMPING, IP(V6)_RECVERR */
+#define MAX_SENT 8        /* transmit stamps kept per socket until the engine takes them */
 
 #define READ_BYTES 65536
 #define LAZY_MAX_BYTES (256 * 1024)
@@ -61,12 +85,19 @@ typedef struct Read {
 } Read;
 
 typedef struct {
+    uint32_t key;                /* the byte it stamps, counted since stamps were asked for */
+    int64_t stamp, mono, wall;   /* CLOCK_REALTIME; the queue read at mono, wall (a pair) */
+} Sent;
+
+typedef struct {
     int watched; /* in the epoll set */
     int lazy;
     int queued;  /* in the ready list */
     int ended;   /* end of stream or a failure seen: no more reads */
     size_t waiting; /* bytes in reads not taken */
     Read *head, *tail;
+    Sent sent[MAX_SENT]; /* transmit stamps read from the error queue, oldest first */
+    int nsent;
 } Slot;
 
 typedef struct {
@@ -206,6 +237,49 @@ static int read_one(Reader *self, int fd, char *buf, char *cbuf, size_t clen) {
     return now ? mark_ready(self, fd) : 0;
 }
 
+/* with the lock held: the transmit stamps in fd's error queue, kept in its slot (the
+ * newest MAX_SENT); what else the queue holds is read and dropped */
+static void read_errqueue(Reader *self, int fd) {
+    Slot *s = &self->slots[fd];
+    char cbuf[ERRQUEUE_CMSG];
+    for (int i = 0; i < 64; i++) {
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_control = cbuf;
+        msg.msg_controllen = sizeof(cbuf);
+        if (recvmsg(fd, &msg, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
+            return; /* empty (EAGAIN), or the socket failed: its read says how */
+        int64_t mono, wall, stamp = -1;
+        clock_pair(&mono, &wall);
+        int is_send = 0;
+        uint32_t key = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level == SOL_SOCKET &&
+                (c->cmsg_type == SCM_TIMESTAMPNS || c->cmsg_type == SCM_TIMESTAMPING) &&
+                c->cmsg_len >= CMSG_LEN(sizeof(struct timespec)) && stamp < 0) {
+                struct timespec ts; /* SCM_TIMESTAMPING: its software stamp comes first */
+                memcpy(&ts, CMSG_DATA(c), sizeof(ts));
+                stamp = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+            } else if (((c->cmsg_level == SOL_IP && c->cmsg_type == IP_RECVERR) ||
+                        (c->cmsg_level == SOL_IPV6 && c->cmsg_type == IPV6_RECVERR)) &&
+                       c->cmsg_len >= CMSG_LEN(sizeof(struct sock_extended_err))) {
+                struct sock_extended_err ee;
+                memcpy(&ee, CMSG_DATA(c), sizeof(ee));
+                is_send = ee.ee_errno == ENOMSG && ee.ee_origin == SO_EE_ORIGIN_TIMESTAMPING &&
+                          ee.ee_info == SCM_TSTAMP_SND;
+                key = ee.ee_data;
+            }
+        }
+        if (!is_send || stamp <= 0)
+            continue;
+        if (s->nsent == MAX_SENT) {
+            memmove(s->sent, s->sent + 1, sizeof(Sent) * (MAX_SENT - 1));
+            s->nsent--;
+        }
+        s->sent[s->nsent++] = (Sent){key, stamp, mono, wall};
+    }
+}
+
 static void *thread_main(void *arg) {
     Reader *self = (Reader *)arg;
     struct epoll_event events[MAX_EVENTS];
@@ -256,8 +330,11 @@ static void *thread_main(void *arg) {
             int fd = events[i].data.fd;
             pthread_mutex_lock(&self->lock);
             stop = self->stop;
-            if (!stop && fd != self->wake && fd >= 0 && fd < self->nslots)
+            if (!stop && fd != self->wake && fd >= 0 && fd < self->nslots) {
+                if ((events[i].events & EPOLLERR) && self->slots[fd].watched)
+                    read_errqueue(self, fd);
                 tell |= read_one(self, fd, buf, cbuf, clen);
+            }
             pthread_mutex_unlock(&self->lock);
         }
         if (stop)
@@ -403,6 +480,7 @@ static PyObject *Reader_watch(Reader *self, PyObject *args) {
     free_reads(s);
     s->lazy = lazy;
     s->ended = 0;
+    s->nsent = 0;
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
     if (epoll_ctl(self->ep, EPOLL_CTL_ADD, fd, &ev) < 0) {
         int err = errno;
@@ -437,6 +515,7 @@ static PyObject *Reader_unwatch(Reader *self, PyObject *args) {
             epoll_ctl(self->ep, EPOLL_CTL_DEL, fd, NULL);
         s->watched = 0;
         s->ended = 0;
+        s->nsent = 0;
         free_reads(s);
         /* a queued entry stays in the ready list; `ready` skips what has no reads */
     }
@@ -471,6 +550,34 @@ static PyObject *Reader_take(Reader *self, PyObject *args) {
         }
         free(r);
         r = next;
+    }
+    return out;
+}
+
+/* sent: fd's transmit stamps read from its error queue, oldest first, as a list of
+ * (key, stamp, mono, wall) (measure/txstamps.py takes them) */
+static PyObject *Reader_sent(Reader *self, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd))
+        return NULL;
+    Sent got[MAX_SENT];
+    int n = 0;
+    lock_released(self);
+    if (fd >= 0 && fd < self->nslots) {
+        Slot *s = &self->slots[fd];
+        n = s->nsent;
+        memcpy(got, s->sent, sizeof(Sent) * n);
+        s->nsent = 0;
+    }
+    pthread_mutex_unlock(&self->lock);
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out && i < n; i++) {
+        PyObject *item = Py_BuildValue("(kLLL)", (unsigned long)got[i].key,
+                                       (long long)got[i].stamp, (long long)got[i].mono,
+                                       (long long)got[i].wall);
+        if (!item || PyList_Append(out, item) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(item);
     }
     return out;
 }
@@ -517,6 +624,9 @@ static PyMethodDef Reader_methods[] = {
     {"take", (PyCFunction)Reader_take, METH_VARARGS,
      "take(fd): fd's reads, oldest first: [(bytes, mono_ns, wall_ns, kernel_wall_ns or -1, "
      "errno)]"},
+    {"sent", (PyCFunction)Reader_sent, METH_VARARGS,
+     "sent(fd): fd's transmit stamps read from its error queue, oldest first: "
+     "[(key, stamp_wall_ns, mono_ns, wall_ns)]"},
     {"ready", (PyCFunction)Reader_ready, METH_NOARGS,
      "ready(): the fds with reads to see now (call when fileno() is readable)"},
     {"fileno", (PyCFunction)Reader_fileno, METH_NOARGS,

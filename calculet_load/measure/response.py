@@ -40,6 +40,7 @@ from calculet_load.measure.protocols import (
     safe_text,
 )
 from calculet_load.measure.sse import SSELineTooLong, SSEParser
+from calculet_load.measure.totals import confirmed_total, disagreement
 from calculet_load.schema.netsigns import is_unreachable
 from calculet_load.schema.records import ClientNs, TokenEvent
 
@@ -73,14 +74,6 @@ ERROR_CLASSES: dict[str, str] = {
     "pool_exhausted": "no connection free under the connection cap",
     "dropped": "an open-loop arrival found the in-flight cap full and was not sent",
 }
-
-# The classes of a request that got no answer from the target: not a byte of HTTP came
-# back (nothing listening, no route, TLS that failed, a connection closed or silent). A
-# run all of whose requests end so measured nothing of the target.
-UNANSWERED_CLASSES = frozenset({
-    "connect_refused", "connect_timeout", "unreachable", "tls_verify", "tls_handshake",
-    "connection_reset", "first_byte_timeout", "pool_exhausted", "malformed_http",
-})  # fmt: skip
 
 # Generated tokens may exceed the request's max_tokens by this many before the count is
 # flagged (token_count_mismatch with a count_anomaly): none, as OpenAI and llama.cpp
@@ -190,6 +183,16 @@ class Outcome:
     reasoning_tokens: int | None = None
     answer_tokens: int | None = None
     reasoning_total: int | None = None  # the server's own count of them, where it says
+    # t1's source: "kernel" (the transmit time of the request's last byte:
+    # measure.txstamps) or "send" (when the last send call returned)
+    sent_stamp_source: str | None = None
+    # t1 from "send" came after t2 from the kernel: the order t1 <= t2 is broken only
+    # because t1 was taken late (the headers arrived while the send call returned)
+    sent_stamp_late: bool = False
+    event_tokens: int = 0  # the sum of the per-event counts (`output_tokens` is the total)
+    # where the request's total came from: "server" (its final usage or count) or
+    # "events" (the sum of the per-event counts: the server sent no total)
+    total_source: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -424,9 +427,6 @@ CMSG_SPACE = (
     if SO_TIMESTAMPNS is not None and hasattr(socket, "CMSG_SPACE")
     else 0
 )
-# A kernel stamp this much before the last stamp (or after the read) is not believed: the
-# wall clock stepped between the arrival and the read; the read's own time is taken.
-_KERNEL_SLACK_NS = 5_000_000
 
 
 def ask_kernel_stamps(sock: socket.socket) -> None:
@@ -459,27 +459,37 @@ def clock_pair(clock: Clock) -> tuple[int, int]:
 
 
 def kernel_ns(
-    anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, floor: int
+    anc: list[tuple[int, int, bytes]], read_ns: int, wall_ns: int, start: int, prev: int = 0
 ) -> int | None:
     """The kernel's receive time of a read's bytes on the monotonic clock, or None.
 
     The kernel stamps CLOCK_REALTIME; `wall_ns` was read right after `read_ns`, so
-    `wall_ns - read_ns` moves it onto the monotonic clock (exact unless the wall clock
-    stepped in between: then the stamp falls outside [floor, read_ns] and is not used).
-    A stamp a little before `floor` (the response's bytes can reach the kernel a few µs
-    before the client's own t1 stamp after its write returned) is taken as `floor`."""
+    `wall_ns - read_ns` moves it onto the monotonic clock (`kernel_wall_ns` says which
+    bounds it must keep, and what they may do to it)."""
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
             sec, nsec = _TIMESPEC.unpack_from(data)
-            return kernel_wall_ns(int(sec) * 1_000_000_000 + int(nsec), read_ns, wall_ns, floor)
+            stamp = int(sec) * 1_000_000_000 + int(nsec)
+            return kernel_wall_ns(stamp, read_ns, wall_ns, start, prev)
     return None
 
 
-def kernel_wall_ns(stamp: int, read_ns: int, wall_ns: int, floor: int) -> int | None:
-    """`kernel_ns` of a receive time already read from its message (CLOCK_REALTIME ns)."""
+def kernel_wall_ns(stamp: int, read_ns: int, wall_ns: int, start: int, prev: int = 0) -> int | None:
+    """`kernel_ns` of a receive time already read from its message (CLOCK_REALTIME ns).
+
+    The bounds, each what a stamp on the monotonic clock must keep:
+    - not after `read_ns`, the read that returned the bytes, nor before `start`, the
+      request's start t0 (taken before its first byte was written): outside, the wall
+      clock stepped between the arrival and the read, and the stamp is not used (None:
+      the read's own time is taken). These reject; they never move a stamp;
+    - not before `prev`, the kernel stamp of the response's read before: the same
+      packet read twice (a read that took the rest of it) through two clock pairs, which
+      differ by at most their jitter (`clock_pair`): raised to it.
+    Nothing else bounds it: a user-space stamp (t1 when the send returned) is later than
+    the bytes it stands for, and a receive stamp before it is the truth."""
     k = stamp - (wall_ns - read_ns)
-    if floor - _KERNEL_SLACK_NS <= k <= read_ns:
-        return max(k, floor)
+    if start <= k <= read_ns:
+        return max(k, prev)
     return None
 
 
@@ -666,6 +676,12 @@ def conclude(
 ) -> Outcome:
     """The outcome's stamps, hash and count checks once the request ended."""
     out = run.out
+    t1, t2 = ns["t1"], ns["t2"]
+    # a t1 taken when the send returned, after the kernel's time of the response's head:
+    # the order is broken by t1's lateness alone, and t2 stays the truth
+    out.sent_stamp_late = (
+        out.sent_stamp_source == "send" and t1 is not None and t2 is not None and t1 > t2
+    )
     out.client_ns = ClientNs(
         request_start=ns["t0"],
         headers_sent=ns["t1"],
@@ -677,20 +693,10 @@ def conclude(
     )
     if out.output_tokens or out.events:
         out.token_hash = run.hash.hexdigest()
-    if out.ok and out.server_total is not None and out.server_total != out.output_tokens:
-        if out.count_source == "chunks" and out.server_total > out.output_tokens:
-            # Without per-event usage a chunk is counted as one token, but a server may
-            # send several tokens in one chunk (llama.cpp holds a token that ends inside a
-            # UTF-8 character back and sends it with the next): the final usage total is
-            # the count. Fewer tokens than chunks stays a mismatch.
-            out.output_tokens = out.server_total
-            out.count_source = "chunks+usage_total"
-        elif out.count_source == "tokenizer":
-            # A local tokenizer counts each event's text on its own, which can split or
-            # merge differently from the model's own tokens: the server's total stays the
-            # request's count, the events keep the tokenizer's counts.
-            out.output_tokens = out.server_total
-            out.count_source = "tokenizer+usage_total"
+    out.event_tokens = out.output_tokens
+    out.output_tokens, out.total_source, out.count_source = confirmed_total(
+        out.output_tokens, out.server_total, out.ok, out.count_source, out.events > 0
+    )
     if run.answer is not None and run.thought is not None:
         out.text = "".join(run.answer)
         out.reasoning_text = "".join(run.thought)
@@ -706,6 +712,10 @@ def conclude(
         # bytes end inside a UTF-8 character, flushed with no text (llama.cpp holds
         # them back until the character completes, and it never did).
         out.count_anomaly = run.jump
+    if out.ok and out.count_anomaly is None and out.total_source == "server":
+        out.count_anomaly = disagreement(
+            out.event_tokens, out.output_tokens, out.count_source, output_slack_tokens
+        )
     if max_tokens is not None and out.count_anomaly is None:
         top = max(out.output_tokens, out.server_total or 0)
         if top > max_tokens + output_slack_tokens:
@@ -735,8 +745,8 @@ class Reads:
         self.run = run
         self.out = run.out
         self.t = 0  # the stamp of the last read taken (`took`)
-        # when the last read with bytes returned, and its stamp (`stamped_read`: taken by
-        # `took` at once, or later when the thread engine's loop is late)
+        # when the last read with bytes returned, and the last kernel stamp (`stamped_read`:
+        # taken by `took` at once, or later when the thread engine's loop is late)
         self.read_at = self.last_stamp = 0
         self.first = b""  # the response's first bytes (up to 5): is it HTTP at all?
         self.eof = False
@@ -774,12 +784,12 @@ class Reads:
         the bytes' kernel receive time or None, when the read before returned). What the
         bytes mean is `took`'s and the parser's, now or later (the thread engine parses
         after the reads waiting when its loop is late: measure.engine)."""
-        prev, floor = self._bounds()
+        prev, start, before = self._bounds()
         kernel = None
         if self.stamps and not tls:
             data, anc, _, _ = sock.recvmsg(65536, CMSG_SPACE)
             t, wall = clock_pair(clock)  # stamp at the byte, before any parsing
-            kernel = kernel_ns(anc, t, wall, floor)
+            kernel = kernel_ns(anc, t, wall, start, before)
         else:
             data = sock.recv(65536)
             t = clock.mono_ns()  # stamp at the byte, before any parsing
@@ -790,15 +800,21 @@ class Reads:
                 # the TLS records' own reads carried the kernel's time: that of the last
                 # one, which completed what was decrypted (the read's time is after it)
                 t, wall = clock_pair(clock)
-                kernel = kernel_ns(sock.take_stamp(), t, wall, floor)
-        if data:
-            self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
+                kernel = kernel_ns(sock.take_stamp(), t, wall, start, before)
+        self._took_at(data, t, kernel)
         return data, closed, t, kernel, prev
 
-    def _bounds(self) -> tuple[int, int]:
-        """A read's (when the read before it returned, the earliest its stamp may be)."""
-        sent = self.ns["t1"] or self.ns["t0"] or 0
-        return self.read_at or sent, max(self.last_stamp, sent)  # the stamp: not before
+    def _bounds(self) -> tuple[int, int, int]:
+        """A read's (when the read before it returned, the request's start, the kernel
+        stamp of the read before: `kernel_wall_ns`'s bounds)."""
+        start = self.ns["t0"] or 0
+        return self.read_at or self.ns["t1"] or start, start, self.last_stamp
+
+    def _took_at(self, data: bytes, t: int, kernel: int | None) -> None:
+        if data:
+            self.read_at = t
+            if kernel is not None:
+                self.last_stamp = kernel
 
     def native_read(
         self, data: bytes, t: int, wall: int, stamp: int
@@ -807,10 +823,11 @@ class Reads:
         its bytes, when it returned (`t`, monotonic; `wall`, the wall clock read right
         after) and the kernel's receive time of its bytes (`stamp`, CLOCK_REALTIME ns, or
         -1). Reads are given in the order they were made."""
-        prev, floor = self._bounds()
-        kernel = kernel_wall_ns(stamp, t, wall, floor) if stamp >= 0 and self.stamps else None
-        if data:
-            self.read_at, self.last_stamp = t, (t if kernel is None else kernel)
+        prev, start, before = self._bounds()
+        kernel = (
+            kernel_wall_ns(stamp, t, wall, start, before) if stamp >= 0 and self.stamps else None
+        )
+        self._took_at(data, t, kernel)
         return data, False, t, kernel, prev
 
     def took(

@@ -140,10 +140,17 @@ class Ext:
     error_detail: str | None = None
     events: int | None = None  # SSE events received
     token_events: int | None = None  # events that carried >= 1 generated token
-    client_output_tokens: int | None = None  # the client's own count
+    client_output_tokens: int | None = None  # the client's own count: its events' sum
     server_output_tokens: int | None = None  # the server's final total
     server_prompt_tokens: int | None = None  # the prompt length the server reported
-    token_count_source: str | None = None  # usage | tokens_predicted | chunks (fallback)
+    # the per-event counts' source: usage | tokens_predicted | tokenizer | chunks
+    # (fallback), "+usage_total" when the server's total differs from their sum
+    token_count_source: str | None = None
+    # whose count workload.actual_output_tokens is: "server" (its final usage or count)
+    # or "events" (the per-event counts' sum: no total came); null: no count
+    token_total_source: str | None = None
+    # the per-event counts disagree with the server's total beyond the declared slack
+    # (its reason in count_anomaly), or another count anomaly
     token_count_mismatch: bool = False
     connection_reused: bool | None = None
     # a new connection's connect and TLS handshake (and a process's first name lookup),
@@ -169,9 +176,16 @@ class Ext:
     # spec §14.1 "error responses carry no uninitialized output": an error body or final
     # error event carried generated text (its characters; null: none, or not an error)
     error_output_chars: int | None = None
-    # where the client's stamps came from: "kernel" (the kernel's receive time of each
-    # read's last bytes) or "read" (when the read returned); null: no bytes came
+    # where the client's stamps t2..t6 and its token events came from: "kernel" (the
+    # kernel's receive time of each read's last bytes) or "read" (when the read
+    # returned); null: no bytes came. t0 is always the client's clock before the send
     stamp_source: str | None = None
+    # where t1 came from: "kernel" (the kernel's transmit time of the request's last
+    # byte) or "send" (when the client's last send call returned); null: not sent
+    sent_stamp_source: str | None = None
+    # t1 from "send" is after t2 from the kernel: the headers arrived while the send call
+    # returned, so t1 <= t2 is broken by t1's lateness alone (t2 and the durations hold)
+    sent_stamp_late: bool = False
     # kernel stamps: the longest any read's bytes waited in the kernel for the client
     # (its loop busy; not in the stamps: null with read stamps)
     read_wait_ms: float | None = None
@@ -221,6 +235,9 @@ ADDED_REQUEST_COLUMNS = (
     "ext.ttft_answer_ms",
     "ext.reasoning_tokens",
     "ext.answer_tokens",
+    "ext.sent_stamp_source",
+    "ext.sent_stamp_late",
+    "ext.token_total_source",
 )
 # Columns renamed within v1: a reader takes an older part's column under its new name.
 RENAMED_REQUEST_COLUMNS = {"ext.cached_tokens": "ext.cached_prompt_tokens"}

@@ -3,6 +3,7 @@ files."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow.csv as pacsv
@@ -14,7 +15,7 @@ from analysis.tables.cells import CellKey, summarize_cells
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
 from analysis.tables.summary import summary_table
-from calculet_load.schema.records import TokenEvent
+from calculet_load.schema.records import RequestRecord, TokenEvent
 from tests.analysis.runs import MS, RunBuilder, request
 
 
@@ -130,3 +131,48 @@ def test_summary_files(tmp_path: Path) -> None:
 
 def test_summary_table_of_nothing() -> None:
     assert summary_table([]).num_rows == 0
+
+
+def _counted_by_events(
+    rid: str, t0: int, ext: dict[str, object]
+) -> tuple[RequestRecord, list[TokenEvent]]:
+    """A request whose server confirmed 5 tokens while its 5 events counted 2 each (a
+    local tokenizer re-counting each event's text), at 50 … 90 ms after t0."""
+    rec = request(rid, t0=t0)
+    rec = dataclasses.replace(
+        rec, ext=dataclasses.replace(rec.ext, **{"client_output_tokens": 10, **ext})
+    )
+    t4 = t0 + 50 * MS
+    return rec, [TokenEvent(rid, i, t4 + i * 10 * MS, 2, 2 * (i + 1)) for i in range(5)]
+
+
+@pytest.mark.parametrize(
+    "ext",
+    [
+        {"token_count_source": "tokenizer+usage_total", "token_total_source": "server"},
+        # written before the total's source was recorded: the events' sum was not kept
+        # (client_output_tokens took the server's total), so it is summed from the events
+        {"token_count_source": "tokenizer+usage_total", "client_output_tokens": 5},
+    ],
+    ids=["recorded", "older"],
+)
+def test_tokens_count_to_each_requests_confirmed_total(
+    tmp_path: Path, ext: dict[str, object]
+) -> None:
+    """r1's events place its tokens in time, its server's total (5) counts: each event
+    weighs 5 / 10 of its own count. The figures are then those of two requests of 5
+    tokens (test_steady_throughput_known_answer), not 15 tokens."""
+    b = RunBuilder(tmp_path)
+    rec, events = _counted_by_events("r1", 0, ext)
+    b.add(rec, tokens=False).add(request("r2", t0=100 * MS))
+    b.tokens += events
+    run_dir = b.write()
+    (s,) = _summaries(run_dir, trim=0.0)
+    assert s.output_tokens == 10
+    assert s.steady_output_tokens_per_s == pytest.approx(10 / 0.1901)
+    (s,) = _summaries(run_dir, trim=0.1)
+    assert s.steady_output_tokens_per_s == pytest.approx(8 / 0.15208)
+    # ITL keeps the events' own counts: r1's 4 gaps of 10 ms over 2 tokens each (8
+    # values of 5 ms), r2's 4 of 10 ms over 1
+    itl = s.metrics["itl_ms"]
+    assert (itl.count, itl.min, itl.max) == (12, 5.0, 10.0)

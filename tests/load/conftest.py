@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,21 @@ from typing import Any
 import pytest
 
 from analysis.sign import generate_keypair
+from calculet_load.measure.response import ask_kernel_stamps
 from tests.simproc import ADMIN_TOKEN
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_stamps_on() -> Iterator[None]:
+    """A socket asking for receive times, held for the session. Linux stamps arriving
+    packets only while some socket asks; when the first one asks, it turns that on from a
+    workqueue, a moment later, and a read in between carries no stamp (a test's socket
+    that asked just before its first read met it, beside other workers whose sockets
+    had just closed). With one held, every later socket's stamps are there at once."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    ask_kernel_stamps(held)
+    yield
+    held.close()
 
 
 @pytest.fixture(scope="module")

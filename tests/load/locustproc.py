@@ -116,6 +116,11 @@ class LocustRun:
         assert parts, f"no request parts in {self.run_dir}\n{self.log_text()}"
         return pa.concat_tables(pq.read_table(p) for p in parts)
 
+    def token_events(self) -> pa.Table:
+        parts = sorted((self.run_dir / "client").glob("*/part-*.tokens.parquet"))
+        assert parts, f"no token parts in {self.run_dir}\n{self.log_text()}"
+        return pa.concat_tables(pq.read_table(p) for p in parts)
+
     def locust_stats(self) -> dict[str, dict[str, Any]]:
         rows = json.loads(Path(f"{self.json_prefix}.json").read_text())
         return {r["name"]: r for r in rows}

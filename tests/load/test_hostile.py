@@ -287,10 +287,12 @@ def stamps(out: Outcome) -> list[bool]:
 
 
 def assert_ordered(out: Outcome) -> None:
+    """t0 <= t2 <= ... <= t6 as reached, t1 after t0, and t1 after t2 exactly when the
+    outcome says a late user-space t1 broke that order (`sent_stamp_late`: the head's
+    kernel stamp is kept, not raised to t1)."""
     ns = out.client_ns
     points = [
         ns.request_start,
-        ns.headers_sent,
         ns.response_headers,
         ns.first_event,
         ns.first_token,
@@ -299,6 +301,12 @@ def assert_ordered(out: Outcome) -> None:
     ]
     reached = [p for p in points if p is not None]
     assert reached == sorted(reached)
+    t0, t1, t2 = ns.request_start, ns.headers_sent, ns.response_headers
+    if t1 is not None:
+        assert t0 is not None and t0 <= t1
+        late = t2 is not None and t1 > t2
+        assert late == out.sent_stamp_late, (t1, t2, out.sent_stamp_source)
+        assert not late or out.sent_stamp_source == "send"
 
 
 # --- the baseline: a real llama.cpp stream -------------------------------------------------

@@ -14,7 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
 import pytest
 import yaml
 
@@ -91,14 +93,11 @@ def test_exact_prompts_and_the_servers_own_counts(
                 assert sum(ev.tokens for ev in out.token_events) <= max_tokens
                 assert record.durations_ms.ttft is not None
             # a fresh, unique prompt: nothing served from cache beyond the chat template
-            assert e.cached_prompt_tokens is not None
+            assert e.cached_tokens is not None
             assert e.prompt_unique_from is not None
-            assert e.cached_prompt_tokens <= e.prompt_unique_from, (
-                e.cached_prompt_tokens,
-                e.prompt_unique_from,
-            )
+            assert e.cached_tokens <= e.prompt_unique_from, (e.cached_tokens, e.prompt_unique_from)
             if protocol != "openai-chat":
-                assert e.prompt_unique_from == 0 and e.cached_prompt_tokens == 0
+                assert e.prompt_unique_from == 0 and e.cached_tokens == 0
             assert e.prompt_count_source == (
                 "server:/apply-template+/tokenize"
                 if protocol == "openai-chat"
@@ -122,7 +121,7 @@ def test_unique_prompts_defeat_the_prefix_cache_and_reuse_hits_it(llama: LlamaSe
         finally:
             session.close()
         assert all(r.result.http_status == 200 for r in records)
-        cached[reuse] = [r.ext.cached_prompt_tokens for r in records]
+        cached[reuse] = [r.ext.cached_tokens for r in records]
         unique = {r.ext.prompt_unique_from for r in records}
         assert unique == ({None} if reuse else {0})
     assert cached[False] == [0, 0, 0, 0]
@@ -139,7 +138,7 @@ def test_chat_prompts_differ_right_after_the_template(llama: LlamaServer) -> Non
     fixed = {r.ext.prompt_unique_from for r in records}
     assert len(fixed) == 1 and 0 < fixed.pop() < 96  # the chat template's fixed prefix
     # llama.cpp serves the shared template from its cache, and nothing more
-    assert all(r.ext.cached_prompt_tokens <= r.ext.prompt_unique_from for r in records)
+    assert all(r.ext.cached_tokens <= r.ext.prompt_unique_from for r in records)
     assert all(r.ext.server_prompt_tokens == 96 for r in records)
 
 
@@ -193,7 +192,9 @@ def test_a_local_tokenizer_counts_each_event_where_the_server_sends_no_count(
     assert record.ext.token_count_source in ("tokenizer", "tokenizer+usage_total")
     assert (record.ext.token_count_source == "tokenizer") == (sum(counted) == 40)
     assert record.workload.actual_output_tokens == record.ext.server_output_tokens == 40
-    assert not record.ext.token_count_mismatch
+    assert record.ext.client_output_tokens == sum(counted)
+    # the tokenizer's sum, where it differs from the server's, is flagged (no slack declared)
+    assert record.ext.token_count_mismatch == (sum(counted) != 40)
 
     # the same through the CLI a user runs: probe --tokenizer
     code = main(
@@ -232,10 +233,93 @@ def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
     done = sent.filter(pc.is_null(sent.column("ext.error_class")))
     assert done.num_rows >= 50, done.num_rows  # 10/s for 6 s after the start delay
     assert set(done.column("ext.worker").to_pylist()) == {"w00", "w01"}
-    assert set(done.column("ext.cached_prompt_tokens").to_pylist()) == {0}
+    assert set(done.column("ext.cached_tokens").to_pylist()) == {0}
     assert set(done.column("ext.prompt_unique_from").to_pylist()) == {0}
     assert set(done.column("ext.server_prompt_tokens").to_pylist()) == {64}
     assert set(done.column("workload.actual_output_tokens").to_pylist()) == {8}
+
+
+@pytest.mark.parametrize("tokenizer", [False, True], ids=["chunks", "tokenizer"])
+def test_output_tokens_and_tokens_per_s_are_the_servers_usage_totals(
+    llama: LlamaServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], tokenizer: bool
+) -> None:
+    """llama.cpp's OpenAI stream has no per-event usage: its tokens are placed in time by
+    one per content chunk (fewer than the tokens: a token that ends inside a UTF-8
+    character comes with the next) or by a local tokenizer re-counting each event's text
+    (more or fewer). Either way the run's output tokens are the sum of the server's usage
+    totals, and its tokens/s counts them; a tokenizer's events that disagree with the
+    usage are flagged in the record and counted by the analysis's count rule."""
+    args = [
+        *("--protocol", "openai-chat", "--target-profile", "llama.cpp"),
+        *("--arrival", "constant", "--rate", "4", "-u", "2", "-r", "2"),
+        *("--prompt-tokens", "32", "--max-tokens", "24"),
+    ]
+    if tokenizer:
+        args += ["--tokenizer", str(tokenizer_path())]
+    run = LocustRun(tmp_path, llama.url, args, workers=0, run_time_s=6.0).start()
+    try:
+        assert run.wait(120) == 0, run.log_text()
+    finally:
+        run.stop()
+    t = run.requests()
+    done = t.filter(pc.is_null(t.column("ext.error_class")))
+    assert done.num_rows >= 10, done.num_rows
+    usage = done.column("ext.server_output_tokens").to_pylist()
+    events = done.column("ext.client_output_tokens").to_pylist()
+    flagged = done.column("ext.token_count_mismatch").to_pylist()
+    assert done.column("workload.actual_output_tokens").to_pylist() == usage
+    assert set(done.column("ext.token_total_source").to_pylist()) == {"server"}
+    if tokenizer:
+        assert flagged == [e != u for e, u in zip(events, usage, strict=True)]
+    else:
+        assert all(e <= u for e, u in zip(events, usage, strict=True)) and not any(flagged)
+    # the whole run as the steady window (no trim), no record excluded for the client's
+    # load (this test is about counts): every success summarized, every token in it
+    rules = relaxed_rules(tmp_path)
+    doc = yaml.safe_load(rules.read_text())
+    doc["analysis"]["steady_trim_fraction"] = 0.0
+    rules.write_text(yaml.safe_dump(doc))
+    assert main(["analyze", str(run.run_dir), "--rules", str(rules)]) == (1 if any(flagged) else 0)
+    capsys.readouterr()
+    rows = pa_csv.read_csv(run.run_dir / "summary.csv").to_pylist()  # a row per metric
+    (summary,) = {(r["cell"], r["partition"]): r for r in rows}.values()
+    assert summary["ok"] == done.num_rows
+    assert summary["output_tokens"] == sum(usage)
+    # tokens/s from the usage totals: each request's usage spread over its events in
+    # proportion to their counts, those in [first start, last end) on the wall clock
+    assert summary["steady_output_tokens_per_s"] == pytest.approx(
+        _tokens_per_s_of_usage(done, run.token_events()), rel=1e-9
+    )
+    # the figures of docs/performance.md (pytest -s shows them)
+    print(f"{len(usage)} requests: usage {sum(usage)}, per-event counts {sum(events)}")
+    verdicts = json.loads((run.run_dir / "verdict.json").read_text())["verdicts"]
+    counts = next(v for v in verdicts if v["kind"] == "token_count_mismatch")
+    assert counts["observed"] == sum(flagged), counts
+
+
+def _tokens_per_s_of_usage(done: pa.Table, tokens: pa.Table) -> float:
+    """Steady tokens/s over the whole run, each request counted by its server's usage."""
+    rec = {
+        r["request_id"]: r
+        for r in done.select(
+            ["request_id", "ext.wall_anchor_ns", "client_ns.request_start",
+             "client_ns.response_end", "ext.server_output_tokens", "ext.client_output_tokens"]
+        ).to_pylist()
+    }  # fmt: skip
+    w0 = min(r["ext.wall_anchor_ns"] for r in rec.values())
+    w1 = max(
+        r["ext.wall_anchor_ns"] + r["client_ns.response_end"] - r["client_ns.request_start"]
+        for r in rec.values()
+    )
+    inside = 0.0
+    for ev in tokens.to_pylist():
+        r = rec.get(ev["request_id"])
+        if r is None or not ev["tokens"]:
+            continue
+        wall = r["ext.wall_anchor_ns"] + ev["arrival_ns"] - r["client_ns.request_start"]
+        if w0 <= wall < w1:
+            inside += ev["tokens"] * r["ext.server_output_tokens"] / r["ext.client_output_tokens"]
+    return inside / ((w1 - w0) / 1e9)
 
 
 def test_the_two_turn_user_counts_both_turns_tokens_exactly(
@@ -264,8 +348,9 @@ def test_the_two_turn_user_counts_both_turns_tokens_exactly(
         mine = [r for r in done if r["ext.cell"] == cell]
         assert len(mine) >= 2, rows
         for r in mine:
-            assert r["ext.client_output_tokens"] == r["ext.server_output_tokens"] == n, r
-            assert r["workload.actual_output_tokens"] == n and not r["ext.token_count_mismatch"]
+            # the server's usage is the count (its chunks only place the tokens in time)
+            assert r["workload.actual_output_tokens"] == r["ext.server_output_tokens"] == n, r
+            assert r["ext.token_total_source"] == "server" and not r["ext.token_count_mismatch"]
     first = min(r["workload.prompt_tokens"] for r in done if r["ext.cell"] == "turn1")
     assert min(r["workload.prompt_tokens"] for r in done if r["ext.cell"] == "turn2") > first
     counted = sum(1 for r in rows if r["ext.cancelled_at"] != "run_stop")

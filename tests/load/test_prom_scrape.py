@@ -55,7 +55,12 @@ def _rec(
         "run",
         "r",
         model_alias=alias,
-        workload=Workload(prompt_tokens=prompt, requested_output_tokens=out, concurrency=conc),
+        workload=Workload(
+            prompt_tokens=prompt,
+            requested_output_tokens=out,
+            actual_output_tokens=out,
+            concurrency=conc,
+        ),
         durations_ms=DurationsMs(ttft=ttft_ms, tpot=2.0, e2e=90.0),
         ext=Ext(arrival=arrival, error_class=error, client_output_tokens=out),
     )

@@ -119,7 +119,7 @@ def test_a_run_whose_requests_got_no_answer_exits_3(tmp_path: Path) -> None:
     assert code == 3, out
     [line] = [x for x in out.splitlines() if "measured nothing" in x]
     assert (
-        "none of its" in line and "requests got an answer from the target (connection_reset" in line
+        "none of its" in line and "got an answer from the target (errors: connection_reset" in line
     )
 
 
