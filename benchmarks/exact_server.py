@@ -231,7 +231,10 @@ class Conn(asyncio.Protocol):
         elif method == "GET" and path == "/health":
             self.transport.write(_response("200 OK", b'{"status":"ok"}'))
         elif method == "GET" and path == "/v1/models":
-            obj = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+            obj = {
+                "object": "list",
+                "data": [{"id": MODEL, "object": "model", "owned_by": "calculet-exact"}],
+            }
             self.transport.write(_response("200 OK", json.dumps(obj).encode()))
         elif method == "GET" and path == "/count":
             body = json.dumps({"received": srv.received}).encode()

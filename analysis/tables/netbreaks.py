@@ -22,12 +22,13 @@ offset, calculet_load.schema.clocks, as declared breaks are compared:
 analysis.tables.quality); overlapping or adjacent intervals merge into one interval.
 
 The server's own evidence then has its say: an interval during which, or up to
-RESTART_AFTER_NS after which, the server's trace shows it (re)starting
+RESTART_AFTER_NS after which, the server's trace shows it restarting
 (server_events.jsonl: a state_change from "starting", or one whose reason names a
-restart) is the server going away, not the network: it is set aside (`SetAside`, its
-evidence saying why), its records stay in and count against reliability. The others
-become `NetworkBreak`s (source "detected") whose `evidence` lists what was seen. A
-declared break (network_breaks.json) is kept as it is, beside them.
+restart, after the run's first request: its first start is none) is the server going
+away, not the network: it is set aside (`SetAside`, its evidence saying why), its
+records stay in and count against reliability. The others become `NetworkBreak`s
+(source "detected") whose `evidence` lists what was seen. A declared break
+(network_breaks.json) is kept as it is, beside them.
 """
 
 from __future__ import annotations
@@ -158,10 +159,27 @@ def _connect_signs(run: RunData) -> list[tuple[int, int, str]]:
     return out
 
 
+def _first_request_ns(run: RunData) -> int | None:
+    """The reference wall time the run sent its first request: a server start before it
+    is the server's first start, not a restart."""
+    t = run.requests
+    if t.num_rows == 0:
+        return None
+    anchor = _column(t, "ext.wall_anchor_ns", 0).astype(np.int64)
+    sent = anchor > 0
+    if not sent.any():
+        return None
+    workers = _column(t, "ext.worker", "").astype(str)
+    off = np.array([run.client_offsets_ns.get(w, 0) for w in workers], dtype=np.int64)
+    return int(to_reference_ns(anchor, off)[sent].min())
+
+
 def _server_starts(run: RunData) -> list[tuple[int, str]]:
-    """(reference wall ns, what) of every server (re)start in server_events.jsonl: a
+    """(reference wall ns, what) of every server restart in server_events.jsonl: a
     state_change from "starting" (the process came up) or one whose reason names a
-    restart (a supervisor restart)."""
+    restart (a supervisor restart), after the run's first request (the server's first
+    start, before the load, is none)."""
+    began = _first_request_ns(run)
     scan = RunFiles(run.uri).scan_server_events(("state_change",), _RESTART_SCAN_LIMIT)
     out = []
     for r in scan.rows if scan is not None else []:
@@ -172,10 +190,11 @@ def _server_starts(run: RunData) -> list[tuple[int, str]]:
             detail.get("from") == "starting" or "restart" in why.lower()
         ):
             continue
+        at = to_reference_ns(wall, run.server_offset_ns)
+        if began is not None and at < began:
+            continue
         what = f"state_change {detail.get('from')} -> {detail.get('to')}"
-        out.append(
-            (to_reference_ns(wall, run.server_offset_ns), what + (f" ({why})" if why else ""))
-        )
+        out.append((at, what + (f" ({why})" if why else "")))
     return sorted(out)
 
 

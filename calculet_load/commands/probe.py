@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             name, why = detect_profile(access)
         except DetectError as exc:
-            print(f"probe: the target {url} answers nothing: {exc}", file=sys.stderr)
+            print(f"probe: cannot reach {url}: {exc}", file=sys.stderr)
             return 3
         except LookupError as exc:
             print(

@@ -235,7 +235,9 @@ def _on_test_start(environment: Environment, **_kw: Any) -> None:
     runner = environment.runner
     opts = options(environment)
     if not isinstance(runner, WorkerRunner):  # the master, or the one local process
-        refused = check_target(opts, environment.host or "")
+        users = environment.user_classes or []
+        sized = any(getattr(c, "builtin", False) for c in users)  # CalculetUser's load
+        refused = check_target(opts, environment.host or "", sized=sized)
         if refused is not None:
             _refuse(environment, refused)
             return

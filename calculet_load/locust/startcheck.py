@@ -31,9 +31,10 @@ class Refused:
     code: ExitCode
 
 
-def check_target(opts: Any, host: str) -> Refused | None:
+def check_target(opts: Any, host: str, sized: bool = True) -> Refused | None:
     """Settle `opts.target_profile` (detected when left out) and send the preflight;
-    None when the run may start."""
+    None when the run may start. `sized`: the run's users build exact-length prompts
+    (the built-in user), so the target or a --tokenizer must be able to size them."""
     if not host:
         return Refused("calculet-load: no target: give -H/--host", ExitCode.INVALID_ARTIFACT)
     try:
@@ -64,6 +65,12 @@ def check_target(opts: Any, host: str) -> Refused | None:
     found = preflight(access, opts.protocol, model)
     if found.problem is not None:
         return Refused(f"calculet-load: {found.problem}", ExitCode.INFRASTRUCTURE)
+    if sized and profile.chat_sizing == "local" and not opts.tokenizer:
+        return Refused(
+            f"calculet-load: the target {host} is {profile.name}, which cannot size prompts "
+            "(no /tokenize): give --tokenizer FILE (the model's tokenizer.json)",
+            ExitCode.INVALID_ARTIFACT,
+        )
     if found.warning is not None:
         log.warning("calculet: %s; the run goes on", found.warning)
     return None

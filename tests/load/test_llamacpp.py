@@ -93,11 +93,14 @@ def test_exact_prompts_and_the_servers_own_counts(
                 assert sum(ev.tokens for ev in out.token_events) <= max_tokens
                 assert record.durations_ms.ttft is not None
             # a fresh, unique prompt: nothing served from cache beyond the chat template
-            assert e.cached_tokens is not None
+            assert e.cached_prompt_tokens is not None
             assert e.prompt_unique_from is not None
-            assert e.cached_tokens <= e.prompt_unique_from, (e.cached_tokens, e.prompt_unique_from)
+            assert e.cached_prompt_tokens <= e.prompt_unique_from, (
+                e.cached_prompt_tokens,
+                e.prompt_unique_from,
+            )
             if protocol != "openai-chat":
-                assert e.prompt_unique_from == 0 and e.cached_tokens == 0
+                assert e.prompt_unique_from == 0 and e.cached_prompt_tokens == 0
             assert e.prompt_count_source == (
                 "server:/apply-template+/tokenize"
                 if protocol == "openai-chat"
@@ -121,7 +124,7 @@ def test_unique_prompts_defeat_the_prefix_cache_and_reuse_hits_it(llama: LlamaSe
         finally:
             session.close()
         assert all(r.result.http_status == 200 for r in records)
-        cached[reuse] = [r.ext.cached_tokens for r in records]
+        cached[reuse] = [r.ext.cached_prompt_tokens for r in records]
         unique = {r.ext.prompt_unique_from for r in records}
         assert unique == ({None} if reuse else {0})
     assert cached[False] == [0, 0, 0, 0]
@@ -138,7 +141,7 @@ def test_chat_prompts_differ_right_after_the_template(llama: LlamaServer) -> Non
     fixed = {r.ext.prompt_unique_from for r in records}
     assert len(fixed) == 1 and 0 < fixed.pop() < 96  # the chat template's fixed prefix
     # llama.cpp serves the shared template from its cache, and nothing more
-    assert all(r.ext.cached_tokens <= r.ext.prompt_unique_from for r in records)
+    assert all(r.ext.cached_prompt_tokens <= r.ext.prompt_unique_from for r in records)
     assert all(r.ext.server_prompt_tokens == 96 for r in records)
 
 
@@ -233,7 +236,7 @@ def test_a_plain_locust_run_of_50_requests_is_never_served_from_cache(
     done = sent.filter(pc.is_null(sent.column("ext.error_class")))
     assert done.num_rows >= 50, done.num_rows  # 10/s for 6 s after the start delay
     assert set(done.column("ext.worker").to_pylist()) == {"w00", "w01"}
-    assert set(done.column("ext.cached_tokens").to_pylist()) == {0}
+    assert set(done.column("ext.cached_prompt_tokens").to_pylist()) == {0}
     assert set(done.column("ext.prompt_unique_from").to_pylist()) == {0}
     assert set(done.column("ext.server_prompt_tokens").to_pylist()) == {64}
     assert set(done.column("workload.actual_output_tokens").to_pylist()) == {8}

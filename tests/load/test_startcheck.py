@@ -137,3 +137,18 @@ def test_a_target_without_traces_or_metrics_is_not_asked_for_them(
     assert index["server_traces"]["reason"] == "the openai profile has none"
     assert not (tmp_path / "run" / "server" / "metrics.jsonl").exists()
     assert "404" not in out and "/metrics" not in out.replace("no /metrics", ""), out
+
+
+def test_a_target_that_cannot_size_prompts_is_refused_before_the_load(
+    tmp_path: Path, sim: SimProcess
+) -> None:
+    """The built-in user builds exact-length prompts: against an `openai` target (no
+    /tokenize) without --tokenizer the run is refused at once, naming the option, not
+    after --run-time with every worker unable to prepare its load."""
+    code, out, took = _locust(tmp_path, sim.url, "--target-profile", "openai", "--protocol",
+                              "openai-completions")  # fmt: skip
+    assert code == 2 and took < 15, (took, out)
+    assert _ours(out) == [
+        f"calculet-load: the target {sim.url} is openai, which cannot size prompts "
+        "(no /tokenize): give --tokenizer FILE (the model's tokenizer.json)"
+    ], out

@@ -42,4 +42,4 @@ def test_vpn_in_path_without_rtt_samples_is_exit_2_naming_the_field(tmp_path: Pa
 def test_a_bad_rtt_sample_count_is_refused_too(tmp_path: Path) -> None:
     p = _locust("--rtt-samples", "5000", "--run-dir", str(tmp_path / "run"))
     assert p.returncode == 2
-    assert "--rtt-samples must be in 0..1000" in p.stderr
+    assert "--rtt-samples must be a whole number >= 0 and <= 1000" in p.stderr
