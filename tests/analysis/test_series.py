@@ -168,3 +168,24 @@ def test_rate_changes_only_for_an_open_loop_plan() -> None:
     assert [(c.wall_ns, c.rate) for c in changes] == [(15, 3.0)]
     assert rate_changes({"plan": {**plan, "arrival": "closed"}}) == (None, [])
     assert rate_changes(None) == (None, [])
+
+
+def test_the_report_draws_the_series_with_each_rate_change_marked(tmp_path: Path) -> None:
+    from analysis.report import build_view, render
+    from tests.analysis.test_report import Page
+
+    run = _run(tmp_path / "run")
+    before = build_view(run)  # not analysed yet: the series from the records, said so
+    (section,) = [s for s in before.lead if s.id == "overtime"]
+    assert "computed from the records (timeseries.parquet is missing" in section.intro[0]
+    write_outputs(analyze(run), run)
+    html = render(build_view(run))
+    text = Page(html).sections["overtime"]
+    assert "3 windows of 1 s from timeseries.parquet" in text
+    assert "rate changes (client/index.json plan): rate → 4/s at 1.5 s" in text
+    figure = html[html.index('<figure data-figure="overtime"') :]
+    figure = figure[: figure.index("</figure>")]
+    assert "rate → 4/s" in figure  # the mark, drawn on the panels
+    for label in ("TTFT ms", "TPOT ms", "ITL ms", "output tokens/s", "requests in flight",
+                  "requests/s", "plan's rate"):  # fmt: skip
+        assert label in figure, label
