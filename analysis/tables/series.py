@@ -114,10 +114,17 @@ def rate_changes(index: Mapping[str, Any] | None) -> tuple[RateChange | None, li
 
 def itl_bin(ms: FloatArray) -> IntArray:
     """The histogram bin of each ITL value (ms ≥ 0): 0 below 1 µs, then
-    ITL_BINS_PER_DECADE a decade."""
-    safe = np.maximum(ms, _ITL_FLOOR_MS)
-    b = 1 + np.floor(np.log10(safe / _ITL_FLOOR_MS) * ITL_BINS_PER_DECADE).astype(np.int64)
-    return np.where(ms < _ITL_FLOOR_MS, 0, np.minimum(b, _ITL_BINS - 1))
+    ITL_BINS_PER_DECADE a decade (the top bin holds what is longer)."""
+    x = np.maximum(ms, _ITL_FLOOR_MS)
+    x /= _ITL_FLOOR_MS
+    np.log10(x, out=x)
+    x *= ITL_BINS_PER_DECADE
+    np.floor(x, out=x)
+    np.minimum(x, _ITL_BINS - 2, out=x)
+    b = x.astype(np.int64)
+    b += 1
+    b[ms < _ITL_FLOOR_MS] = 0
+    return b
 
 
 def itl_bin_value(b: IntArray) -> FloatArray:
@@ -200,24 +207,46 @@ def _selfwatch_max(
     return out
 
 
+_CHUNK = 1 << 20  # events placed in windows and bins at once: bounds the transients
+
+
 @dataclass(slots=True)
 class _Tokens:
-    """The token events of the chosen requests, window by window."""
+    """The token events of the chosen requests, window by window. Events are placed a
+    chunk at a time, in place, so that a part of tens of millions of events costs a few
+    arrays of its size and no more."""
 
-    n_win: int
+    origin: int
+    width: int
+    wall_offset: IntArray  # per request row: arrival ns → client wall ns
     tokens: FloatArray
     hist: IntArray
     has_events: BoolArray  # per request row: any event of it was seen (it streamed)
 
-    def add_tokens(self, win: IntArray, count: IntArray) -> None:
-        ok = (win >= 0) & (win < self.n_win)
-        self.tokens += np.bincount(win[ok], weights=count[ok], minlength=self.n_win)
+    def _window(self, at: IntArray, rows: IntArray) -> IntArray:
+        w = self.wall_offset[rows]
+        w += at
+        w -= self.origin
+        w //= self.width
+        return w
 
-    def add_itl(self, win: IntArray, ms: FloatArray, sign: int = 1) -> None:
-        ok = (win >= 0) & (win < self.n_win)
-        flat = win[ok] * _ITL_BINS + itl_bin(ms[ok])
-        counts = np.bincount(flat, minlength=self.n_win * _ITL_BINS)
-        self.hist += sign * counts.reshape(self.hist.shape)
+    def add_tokens(self, rows: IntArray, at: IntArray, count: IntArray) -> None:
+        n_win = self.tokens.size
+        for s in range(0, rows.size, _CHUNK):
+            w = self._window(at[s : s + _CHUNK], rows[s : s + _CHUNK])
+            ok = (w >= 0) & (w < n_win)
+            self.tokens += np.bincount(w[ok], weights=count[s : s + _CHUNK][ok], minlength=n_win)
+
+    def add_itl(self, rows: IntArray, at: IntArray, ms: FloatArray, sign: int = 1) -> None:
+        n_win = self.hist.shape[0]
+        for s in range(0, rows.size, _CHUNK):
+            w = self._window(at[s : s + _CHUNK], rows[s : s + _CHUNK])
+            ok = (w >= 0) & (w < n_win)
+            flat = w[ok]
+            flat *= _ITL_BINS
+            flat += itl_bin(ms[s : s + _CHUNK][ok])
+            counts = np.bincount(flat, minlength=n_win * _ITL_BINS)
+            self.hist += sign * counts.reshape(self.hist.shape)
 
 
 def _token_pass(
@@ -230,11 +259,14 @@ def _token_pass(
     n_win: int,
 ) -> _Tokens:
     """One pass over the token parts: tokens and the ITL histogram per window of the
-    `chosen` requests' events. A request whose events turn up in several parts (a
-    restarted worker reusing ids) has what each part gave alone taken back and its ITL
-    recomputed from all its events, as the cells' ITL is (analysis.tables.tokens)."""
+    `chosen` requests' events, a part at a time (dropped before the next is read). A
+    request whose events turn up in several parts (a restarted worker reusing ids) has
+    what each part gave alone taken back and its ITL recomputed from all its events, as
+    the cells' ITL is (analysis.tables.tokens)."""
     acc = _Tokens(
-        n_win,
+        origin,
+        width,
+        wall_offset,
         np.zeros(n_win),
         np.zeros((n_win, _ITL_BINS), dtype=np.int64),
         np.zeros(table.num_rows, dtype=bool),
@@ -243,31 +275,35 @@ def _token_pass(
     seen = np.zeros(table.num_rows, dtype=bool)
     split = np.zeros(table.num_rows, dtype=bool)
 
-    def window(at: IntArray, rows: IntArray) -> IntArray:
-        return np.asarray((at + wall_offset[rows] - origin) // width, dtype=np.int64)
-
-    def itl(pos: IntArray, count: IntArray, idx: IntArray, t: IntArray) -> tuple[Any, Any]:
+    def itl(pos: IntArray, count: IntArray, idx: IntArray, t: IntArray, sign: int = 1) -> None:
         rows, ms, at = itl_gaps(pos, count, idx, t, with_times=True)
         assert at is not None
-        return window(at, rows), ms
+        acc.add_itl(rows, at, ms, sign)
 
     for _, part in parts:
         pos, count, t = event_columns(part, ids)
+        idx = np.asarray(part.column("event_index").to_numpy(zero_copy_only=False), np.int64)
+        del part  # its pages go back before the next part is read
         mine = (pos >= 0) & chosen[np.maximum(pos, 0)]
-        pos, count, t = pos[mine], count[mine], t[mine]
-        idx = np.asarray(part.column("event_index").to_numpy(zero_copy_only=False))[mine]
+        if not mine.all():
+            pos, count, t, idx = pos[mine], count[mine], t[mine], idx[mine]
+        del mine
         acc.has_events[pos] = True
         here = np.zeros(table.num_rows, dtype=bool)
         here[pos[count > 0]] = True
         split |= here & seen
         seen |= here
-        acc.add_tokens(window(t, pos), count)
-        acc.add_itl(*itl(pos, count, idx.astype(np.int64), t))
+        acc.add_tokens(pos, t, count)
+        itl(pos, count, idx, t)
+        del pos, count, t, idx
     if split.any():
         again = [split_events(part, ids, split) for _, part in parts]
         for pos, count, idx, t in again:
-            acc.add_itl(*itl(pos, count, idx, t), sign=-1)
-        acc.add_itl(*itl(*(np.concatenate(c) for c in zip(*again, strict=True))))
+            itl(pos, count, idx, t, sign=-1)
+        pos, count, idx, t = (np.concatenate(c) for c in zip(*again, strict=True))
+        itl(pos, count, idx, t)
+    # the parts' pages, freed, would stay with Arrow's allocator (as tables.tokens says)
+    pa.default_memory_pool().release_unused()
     return acc
 
 
