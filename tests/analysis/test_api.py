@@ -65,6 +65,7 @@ def test_public_names_are_pinned() -> None:
     assert leaks.__all__ == [
         "LEAK_METHOD",
         "MIN_BINS",
+        "THEIL_SEN_MAX_POINTS",
         "LeakResult",
         "LeakStatus",
         "TrendTest",

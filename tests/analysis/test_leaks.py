@@ -153,3 +153,16 @@ def test_a_series_as_long_as_it_said_is_decided(step_s: float) -> None:
     t = np.arange(0.0, short.min_span_s + step_s / 2, step_s)
     long = L.detect_leak(t, np.zeros_like(t), min_slope_per_h=1.0)
     assert long.status is not LeakStatus.INSUFFICIENT_DATA, long.reason
+
+
+def test_theil_sen_on_a_day_of_one_second_samples_stays_small() -> None:
+    """86,400 points would be 86,400² pairs (56 GiB): the slope comes from equal-time
+    bin means instead, and is the same slope."""
+    rng = np.random.default_rng(3)
+    t = np.arange(86_400, dtype=np.float64)
+    y = 40.0 + 2e-5 * t + rng.normal(0, 0.5, t.size)  # 0.072 °C per hour, noisy
+    fit = L.theil_sen(t, y)
+    assert fit.slope == pytest.approx(2e-5, rel=0.05)
+    assert fit.low < 2e-5 < fit.high
+    # below the cap, every pair as before: a clean line's exact slope
+    assert L.theil_sen(t[: L.THEIL_SEN_MAX_POINTS], 3.0 * t[: L.THEIL_SEN_MAX_POINTS]).slope == 3.0
