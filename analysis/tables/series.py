@@ -39,7 +39,6 @@ the run: its `width_s` is what it has, and its rates are over that.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -138,10 +137,11 @@ def _strings(table: pa.Table, name: str) -> Any:
 
 
 def _width_s(span_ns: int) -> int:
+    """The narrowest width that gives at most MAX_WINDOWS windows (span // width + 1)."""
     for w in WIDTHS_S:
-        if span_ns <= w * MAX_WINDOWS * 1_000_000_000:
+        if span_ns < w * MAX_WINDOWS * 1_000_000_000:
             return w
-    return math.ceil(span_ns / MAX_WINDOWS / 1e9)
+    return span_ns // (MAX_WINDOWS - 1) // 1_000_000_000 + 1
 
 
 def _quantiles(win: IntArray, values: FloatArray, n_win: int) -> tuple[IntArray, FloatArray]:
