@@ -279,8 +279,9 @@ class GoodputRule(_Rule):
     interval must lie at or above `min_share` (pass), or wholly below it (fail);
     otherwise inconclusive. With both objectives null the rule is not configured; with
     `min_share` null the goodput is reported (verdict.json, the report) but not judged.
-    Several goodput rules give cells different SLOs: a cell takes the objectives of the
-    first enabled rule that selects it and sets one."""
+    Each rule judges the cells it selects by its own SLOs (give cells different SLOs by
+    rules whose selectors do not overlap); verdict.json's goodput section shows a cell
+    under the first enabled rule that selects it and sets one."""
 
     kind: Literal["goodput"]
     select: CellSelector = Field(default_factory=CellSelector)
