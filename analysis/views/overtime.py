@@ -59,6 +59,13 @@ def read_series(rv: RunView) -> tuple[pa.Table | None, str]:
     return t, f"computed from the records ({_FILE} is missing: run `calculet-load analyze RUN`)"
 
 
+_EMPTY = {
+    "ttft": "no timed success",
+    "tpot": "no timed success of more than one token",
+    "itl": "no token events: the responses were not streamed, or their events not kept",
+}
+
+
 def _col(t: pa.Table, name: str) -> F:
     return np.asarray(t.column(name).to_numpy(zero_copy_only=False), dtype=np.float64)
 
@@ -100,10 +107,13 @@ def overtime_section(rv: RunView) -> Section:
     if np.isfinite(target).any():
         rate.append(plots.Line("plan's rate", x.tolist(), target.tolist(), style="--", color=3))
     tokens = _col(t, "output_tokens_per_s")
-    panels = [
-        plots.Panel("TTFT ms", _pair(x, t, "ttft"), marks=marks),
-        plots.Panel("TPOT ms", _pair(x, t, "tpot"), marks=marks),
-        plots.Panel("ITL ms", _pair(x, t, "itl"), marks=marks),
+    panels = []
+    for label, metric in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("ITL ms", "itl")):
+        if np.isfinite(_col(t, f"{metric}_p50_ms")).any():
+            panels.append(plots.Panel(label, _pair(x, t, metric), marks=marks))
+        else:  # an empty axis would read as a scale with nothing on it
+            s.notes.append(f"{label.split()[0]}: no value in any window ({_EMPTY[metric]})")
+    panels += [
         plots.Panel(
             "output tokens/s",
             [plots.Line("output tokens/s", x.tolist(), tokens.tolist())],

@@ -190,3 +190,19 @@ def test_the_report_draws_the_series_with_each_rate_change_marked(tmp_path: Path
     for label in ("TTFT ms", "TPOT ms", "ITL ms", "output tokens/s", "requests in flight",
                   "requests/s", "plan's rate"):  # fmt: skip
         assert label in figure, label
+
+
+def test_a_figure_no_window_has_is_said_not_drawn_empty(tmp_path: Path) -> None:
+    from analysis.report import build_view
+
+    b = RunBuilder(tmp_path / "run")
+    for i in range(4):  # whole (not streamed) responses: no token event, so no ITL
+        b.add(request(f"r{i}", t0=i * 300 * MS, stream=False), tokens=False)
+    run = b.write()
+    write_outputs(analyze(run), run)
+    (section,) = [s for s in build_view(run).lead if s.id == "overtime"]
+    assert section.notes == [
+        "ITL: no value in any window (no token events: the responses were not streamed, "
+        "or their events not kept)"
+    ]
+    assert "ITL ms" not in section.figures[0].svg and "TTFT ms" in section.figures[0].svg
