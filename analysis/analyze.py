@@ -1,6 +1,7 @@
 """The analysis pipeline of one run (spec §15, from "join" on): load and join → quality
 → cell summaries → rules → verdicts → `verdict.json`, `summary.parquet`, `summary.csv`,
-and for a run with conversations `conversations.parquet` and `conversations.csv`.
+the run over time (`timeseries.parquet`, `timeseries.csv`), and for a run with
+conversations `conversations.parquet` and `conversations.csv`.
 
 `analyze` never reads anything but files, and writes only these outputs (into the
 run folder unless told otherwise). Artifact and rules errors raise `AnalysisError`
@@ -22,7 +23,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from analysis.errors import ExitCode
-from analysis.judge import batch, boundary, capacity, headofline, resources, stability
+from analysis.judge import batch, boundary, capacity, goodput, headofline, resources, stability
 from analysis.judge.evaluate import Context, evaluate
 from analysis.judge.evidence import Evidence, build_evidence
 from analysis.judge.rules import (
@@ -48,6 +49,7 @@ from analysis.stats import quantiles as stats
 from analysis.tables.cells import CellSummary
 from analysis.tables.conversations import CONVERSATIONS_FILES, conversations_table
 from analysis.tables.join import load_run
+from analysis.tables.series import SERIES_FILES, series_table
 from analysis.tables.summary import summary_table
 from analysis.tables.vendor import vendor_summary
 from calculet_load.schema.fs import resolve_fs
@@ -61,7 +63,8 @@ OUTPUTS = ("verdict.json", "summary.parquet", "summary.csv")
 @dataclass(frozen=True, slots=True)
 class Analysis:
     """The result of `analyze`: the verdict document, its exit code, the summary table,
-    and TTFT by turn and cached share (None: the run has no conversation)."""
+    TTFT by turn and cached share (None: the run has no conversation), and the run over
+    time (None: no request was sent)."""
 
     document: dict[str, Any]
     exit_code: ExitCode
@@ -70,6 +73,7 @@ class Analysis:
     candidate: Evidence
     baseline: Evidence | None
     conversations: pa.Table | None = None
+    timeseries: pa.Table | None = None
 
 
 def _run_info(ev: Evidence) -> dict[str, Any]:
@@ -169,10 +173,12 @@ def _first(rules: RulesFile, kind: type[Any]) -> Any:
 
 
 def _sections(rules: RulesFile, ctx: Context) -> dict[str, Any]:
-    """The batch (§7), capacity (§14.3), leaks (§13) and boundary (§6.1) sections, null
-    without data; the vendor's counters (§17), which say when the run has none."""
+    """The goodput and capacity (§14.3), batch (§7), leaks (§13) and boundary (§6.1)
+    sections, null without data; the vendor's counters (§17), which say when the run has
+    none."""
     cap = capacity.cached_capacity(ctx, _first(rules, CapacityRule))
     return {
+        "goodput": goodput.goodput_section(rules, ctx),
         "boundary": boundary.boundary_section(ctx, _first(rules, BoundaryPolicyRule)),
         "batch": batch.batch_section(batch.cached_batch(ctx, _first(rules, BatchRule))),
         "capacity": capacity.capacity_section(cap),
@@ -260,9 +266,22 @@ def analyze(
     conv = conversations_table(
         cand.table, level=settings.confidence_level, keep=~cand.in_boundary()
     )
-    outputs = [*OUTPUTS, *(CONVERSATIONS_FILES if conv is not None else ())]
+    say("the run over time")
+    series = series_table(
+        cand.table,
+        cand.run.tokens,
+        selfwatch=cand.run.selfwatch,
+        index=cand.run.index,
+        client_offsets_ns=cand.run.client_offsets_ns,
+    )
+    outputs = [
+        *OUTPUTS,
+        *(SERIES_FILES if series is not None else ()),
+        *(CONVERSATIONS_FILES if conv is not None else ()),
+    ]
     doc = _document(rules, source, text, ctx, verdicts, code, outputs)
-    return Analysis(doc, code, summary_table(cand.summaries), verdicts, cand, base, conv)
+    summary = summary_table(cand.summaries)
+    return Analysis(doc, code, summary, verdicts, cand, base, conv, series)
 
 
 def _table_files(table: pa.Table, stem: str) -> dict[str, bytes]:
@@ -277,19 +296,24 @@ def _table_files(table: pa.Table, stem: str) -> dict[str, bytes]:
 
 
 def write_outputs(result: Analysis, out_dir: str) -> list[str]:
-    """Write verdict.json, summary.parquet and summary.csv (and the conversations' two
-    files, or remove those an earlier analysis left) into `out_dir` (path or URI); each is
-    written to a temporary name and renamed, so a reader never sees half a file."""
+    """Write verdict.json, summary.parquet and summary.csv, the time series' two files and
+    the conversations' (or remove those an earlier analysis left, where this one has
+    none) into `out_dir` (path or URI); each is written to a temporary name and renamed,
+    so a reader never sees half a file."""
     fs, root = resolve_fs(out_dir)
     fs.create_dir(root, recursive=True)
     payloads = {
         "verdict.json": to_json(result.document).encode(),
         **_table_files(result.summary, "summary"),
     }
-    if result.conversations is not None:
-        payloads.update(_table_files(result.conversations, "conversations"))
-    else:  # a file that no longer matches the records must not outlive them
-        for name in CONVERSATIONS_FILES:
+    for table, stem, names in (
+        (result.timeseries, "timeseries", SERIES_FILES),
+        (result.conversations, "conversations", CONVERSATIONS_FILES),
+    ):
+        if table is not None:
+            payloads.update(_table_files(table, stem))
+            continue
+        for name in names:  # a file that no longer matches the records must not outlive them
             path = f"{root.rstrip('/')}/{name}"
             if fs.get_file_info(path).type != pafs.FileType.NotFound:
                 fs.delete_file(path)

@@ -78,6 +78,7 @@ def load_view(uri: str) -> RunView:
         rv.cell_code, rv.cell_labels = label_column(rv.table)
         rv.selfwatch, rv.steps = data.selfwatch, data.steps
         rv.resources, rv.vendor = data.resources, data.vendor
+        rv.tokens = data.tokens
         rv.client_offsets_ns, rv.server_offset_ns = data.client_offsets_ns, data.server_offset_ns
     except AnalysisError as exc:
         rv.load_error = f"the records could not be read: {exc}"
@@ -102,8 +103,10 @@ def build_view(
     from analysis.views import (
         conversations,
         counterexamples,
+        headline,
         headofline,
         loadcurves,
+        overtime,
         provenance,
         soakgaps,
         timelines,
@@ -137,6 +140,8 @@ def build_view(
         except ArtifactError as exc:  # the candidate's report still renders, and says so
             notes.append(f"baseline: {exc}; shown without it")
     scan = rv.files.scan_server_events(RUNTIME_EVENTS + LIFECYCLE_EVENTS, _RUNTIME_SCAN_LIMIT)
+    # the first screen answers "did it pass, and how fast": the banner, then these
+    lead = (headline.headline_section(rv), overtime.overtime_section(rv))
     sections = (
         provenance.verdicts_section(rv),
         provenance.provenance_section(rv, base),
@@ -176,6 +181,7 @@ def build_view(
         sections=tuple(s for s in sections if s is not None) + legacy_trend,
         notes=tuple(notes),
         tool=_tool(),
+        lead=lead,
     )
 
 

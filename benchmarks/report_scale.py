@@ -131,6 +131,7 @@ def _write(root: Path, n: int, hours: float) -> None:
             "rss_bytes": pa.array((200e6 + mono / 1e9 * 50).astype(np.int64)),
             "in_flight": pa.array(rng.integers(0, 16, secs)),
             "token_events_per_s": pa.array(rng.uniform(100, 5000, secs)),
+            "warmup": pa.array(np.zeros(secs, dtype=bool)),
         },
         schema=selfwatch_schema(),
     )

@@ -24,7 +24,10 @@ class AnalysisDoor:
     (the request records as an Arrow table, joined with the server traces: server_ms,
     runtime_ms and the quality flags filled where a record joined);
     `theil_sen(t, y) -> fit` (the one Theil–Sen slope, `.slope`: the capacity search's
-    backlog growth, the soak's client RSS); `idle_criterion(rules_path, window_s=,
+    backlog growth, the soak's client RSS); `meets_slos(ok, ttft_ms, tpot_ms,
+    output_tokens, *, max_ttft_ms, max_tpot_ms) -> bool array` (the one definition of a
+    request that counts towards goodput: analysis.stats.goodput; the capacity search's
+    goodput criterion); `idle_criterion(rules_path, window_s=,
     timeout_s=) -> criterion` (the rules file's §8.2 idle criterion,
     analysis.judge.idle.IdleCriterion: `.window_s`, `.timeout_s`, `.describe()`,
     `.check(t, series) -> IdleCheck`; an invalid rules file raises with `exit_code` 2)."""
@@ -36,3 +39,4 @@ class AnalysisDoor:
     joined_records: Callable[[str], Any]
     theil_sen: Callable[[Sequence[float], Sequence[float]], Any]
     idle_criterion: Callable[..., Any]
+    meets_slos: Callable[..., Any]

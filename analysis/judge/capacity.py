@@ -25,11 +25,16 @@ Mann–Kendall with the Hamed–Rao correction, α = 0.01) with the rule's
 `queue_growth_ms_per_min` as the magnitude gate: a significant slope at or above it is
 "growing"; too few bins is "insufficient data", which is not "not growing".
 
+**Goodput** (the rule's `goodput` criterion, analysis.stats.goodput): the share of the
+point's measured attempts that succeeded within its TTFT and TPOT objectives, with its
+Clopper–Pearson interval; without the criterion, not computed.
+
 **Stable max QPS** (§14.3): the highest rate whose point was held for at least
 `window_s` (30 minutes by the spec; shorter for rehearsals) with error rate ≤
 `max_error_rate`, reject rate ≤ `max_reject_rate`, queue P99 and latency P99 shown
-within their limits (the interval's upper bound; a limit not set is not checked) and a
-queue shown not growing. A short peak is never the stable max.
+within their limits (the interval's upper bound; a limit not set is not checked), with
+`goodput`, a goodput share shown at or above its `min_share` (the interval's lower
+bound), and a queue shown not growing. A short peak is never the stable max.
 """
 
 from __future__ import annotations
@@ -45,12 +50,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.judge.evidence import Context, Evidence, column_np, not_evaluated, verdict_for
+from analysis.judge.goodput import cell_goodput
 from analysis.judge.limits import limit_verdict
 from analysis.judge.rules import CapacityRule, CellSelector
-from analysis.judge.verdict import RuleVerdict, Status
+from analysis.judge.verdict import RuleVerdict, Status, TooShort
 from analysis.stats.quantiles import quantile, quantile_ci
-from analysis.stats.trend import LeakStatus, detect_leak
+from analysis.stats.trend import MIN_BINS, LeakStatus, detect_leak
 from analysis.tables.cellkey import CellKey, rows_by_cell
+from analysis.tables.cells import client_wall_span
 from analysis.tables.quality import Partition
 
 __all__ = [
@@ -106,6 +113,13 @@ class RatePoint:
     queue_growth_reason: str
     stable: bool
     not_stable_because: list[str]
+    # with the rule's goodput criterion: the measured share that met its SLOs (else None)
+    goodput_share: float | None = None
+    goodput_share_lo: float | None = None
+    goodput_share_hi: float | None = None
+    goodput_rps: float | None = None
+    # queue growth undecided for too few bins: how long the rate must be held for them
+    queue_growth_min_s: float | None = None
 
     @property
     def rate(self) -> float | None:
@@ -195,6 +209,7 @@ def _point(
     rule: CapacityRule,
     jobs: tuple[Any, Any] | None,
     level: float,
+    ends: Any,
 ) -> RatePoint:
     t = ev.table
     part = column_np(t.column("quality.partition"), "", object)[rows]
@@ -223,6 +238,7 @@ def _point(
             util = float(jobs[1][inside].sum()) / ((w1 - w0) / 1e6)
 
     growth, slope, p, why = "no_data", None, None, "no server queue times (no server trace)"
+    min_s = None
     if measured is not None:
         q = column_np(pc.cast(t.column("server_ms.queue"), pa.float64()), np.nan, np.float64)
         at = column_np(t.column("join.wall_start_ns"), -1, np.int64)
@@ -237,6 +253,7 @@ def _point(
                 resource="server queue time",
             )
             why = res.reason.removesuffix(": leak").removesuffix(": no leak")
+            min_s = res.min_span_s
             slope = None if res.slope_per_h is None else res.slope_per_h / 60.0
             p = res.p_value
             growth = {
@@ -263,6 +280,15 @@ def _point(
         state = _within(hi, lo, limit)
         if state in ("exceeds", "unproven"):
             because.append(f"{name} {state} the {limit:g} ms limit")
+    good = None
+    if rule.goodput is not None:
+        crit = rule.goodput
+        good = cell_goodput(ev, key, rule.id, crit.max_ttft_ms, crit.max_tpot_ms,
+                            level=level, ends=ends)  # fmt: skip
+        lo = None if good is None else good.share_lo
+        if lo is None or lo < crit.min_share:
+            shown = "no measured request" if good is None else f"{good.good}/{good.attempts}"
+            because.append(f"goodput share not shown ≥ {crit.min_share:g} ({shown})")
     if growth != "not_growing":
         because.append(f"queue {growth.replace('_', ' ')}")
     return RatePoint(
@@ -293,8 +319,13 @@ def _point(
         queue_slope_ms_per_min=slope,
         queue_growth_p=p,
         queue_growth_reason=why,
+        queue_growth_min_s=min_s,
         stable=not because,
         not_stable_because=because,
+        goodput_share=None if good is None else good.share,
+        goodput_share_lo=None if good is None else good.share_lo,
+        goodput_share_hi=None if good is None else good.share_hi,
+        goodput_rps=None if good is None else good.goodput_rps,
     )
 
 
@@ -309,8 +340,11 @@ def analyze_capacity(
     notes = []
     if cells and jobs is None:
         notes.append("no server/steps.jsonl: utilisation is no data")
+    ends = None
+    if cells and rule.goodput is not None:
+        ends = client_wall_span(ev.table, ev.run.client_offsets_ns)[1]
     points = [
-        _point(ev, key, rows, rule, jobs, level)
+        _point(ev, key, rows, rule, jobs, level, ends)
         for key, rows in sorted(cells.items(), key=lambda kv: kv[0].label)
     ]
     points.sort(key=lambda p: (p.rate is None, p.rate or 0.0, p.cell))
@@ -327,6 +361,7 @@ def analyze_capacity(
         "latency_metric": rule.latency_metric,
         "max_latency_p99_ms": rule.max_latency_p99_ms,
         "queue_growth_ms_per_min": rule.queue_growth_ms_per_min,
+        "goodput": None if rule.goodput is None else rule.goodput.model_dump(),
         "select": rule.select.describe(),
     }
     return CapacityAnalysis(
@@ -462,6 +497,7 @@ def _queue_growth(rule: CapacityRule, points: list[RatePoint]) -> RuleVerdict:
         )
     unknown = [p for p in tested if p.queue_growth != "not_growing"]
     if unknown:
+        spans = [p.queue_growth_min_s for p in unknown if p.queue_growth_min_s is not None]
         return verdict_for(
             rule,
             Status.INCONCLUSIVE,
@@ -471,6 +507,9 @@ def _queue_growth(rule: CapacityRule, points: list[RatePoint]) -> RuleVerdict:
             f"{unknown[0].cell}: {unknown[0].queue_growth_reason}: run the rate longer",
             details,
             suffix=suffix,
+            too_short=TooShort(
+                f"≥ {MIN_BINS} bins of queue times at each rate", max(spans) if spans else None
+            ),
         )
     return verdict_for(
         rule,
@@ -549,6 +588,7 @@ def _stable_max(
         "with a decided queue-growth test; run the target rate for the full window",
         details,
         suffix=suffix,
+        too_short=TooShort(f"a rate ≥ {target:g}/s held {rule.window_s:g} s", rule.window_s),
     )
 
 

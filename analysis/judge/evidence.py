@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.judge.rules import RULE_CLASS, AnalysisSettings
-from analysis.judge.verdict import RuleClass, RuleVerdict, Status
+from analysis.judge.verdict import RuleClass, RuleVerdict, Status, TooShort
 from analysis.stats.quantiles import FloatArray
 from analysis.tables.cells import CellData, CellKey, CellSummary, summarize_cells
 from analysis.tables.load import RunData
@@ -130,6 +130,7 @@ def verdict_for(
     details: Sequence[dict[str, Any]] = (),
     *,
     suffix: str = "",
+    too_short: TooShort | None = None,
 ) -> RuleVerdict:
     return RuleVerdict(
         rule=rule.id + suffix,
@@ -142,6 +143,7 @@ def verdict_for(
         n=n,
         reason=reason,
         details=tuple(details),
+        too_short=too_short,
     )
 
 

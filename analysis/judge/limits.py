@@ -14,8 +14,8 @@ import numpy as np
 
 from analysis.judge.evidence import Context, not_evaluated, verdict_for
 from analysis.judge.rules import CellSelector, DeviceLimitsRule, SloRule
-from analysis.judge.verdict import RuleVerdict, Status
-from analysis.stats.quantiles import mean_ci, quantile, quantile_ci
+from analysis.judge.verdict import RuleVerdict, Status, TooShort
+from analysis.stats.quantiles import mean_ci, min_n_for_ci, quantile, quantile_ci
 from analysis.tables.join import device_extremes
 
 __all__ = ["HANDLERS", "limit_verdict"]
@@ -98,7 +98,13 @@ def limit_verdict(
             details,
             suffix=suffix,
         )
-    if any(r.status is Status.INCONCLUSIVE for r in rows):
+    unsure = [r for r in rows if r.status is Status.INCONCLUSIVE]
+    if unsure:
+        # every undecided cell lacks its upper bound: too few requests, not a close call
+        short = None
+        if statistic != "mean" and all(r.hi is None for r in unsure):
+            need = min_n_for_ci(float(statistic[1:]) / 100, level)
+            short = TooShort(f"n ≥ {need} per cell for a {statistic.upper()} bound")
         return verdict_for(
             rule,
             Status.INCONCLUSIVE,
@@ -109,6 +115,7 @@ def limit_verdict(
             "collect more requests",
             details,
             suffix=suffix,
+            too_short=short,
         )
     return verdict_for(
         rule, Status.PASS, worst.value, threshold, n_all, seen, details, suffix=suffix

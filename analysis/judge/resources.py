@@ -35,8 +35,8 @@ import pyarrow.compute as pc
 
 from analysis.judge.evidence import Context, not_evaluated, verdict_for
 from analysis.judge.rules import LEAK_SERIES, LeakRule, load_rules
-from analysis.judge.verdict import RuleVerdict, Status
-from analysis.stats.trend import LEAK_METHOD, LeakResult, LeakStatus, detect_leak
+from analysis.judge.verdict import RuleVerdict, Status, TooShort
+from analysis.stats.trend import LEAK_METHOD, MIN_BINS, LeakResult, LeakStatus, detect_leak
 from analysis.tables.load import RunData
 from analysis.tables.runfiles import RunFiles
 from calculet_load.clock import wall_iso
@@ -173,7 +173,9 @@ def leak_section(ctx: Context, rule: LeakRule | None) -> dict[str, Any] | None:
     }
 
 
-def _series_verdict(rule: LeakRule, name: str, res: LeakResult | None) -> RuleVerdict:
+def _series_verdict(
+    rule: LeakRule, name: str, res: LeakResult | None, scale: float = 1.0
+) -> RuleVerdict:
     unit = LEAK_SERIES[name]
     gate = rule.min_slope_per_h[name]
     threshold = f"{name} slope < {gate:g} {unit}/h (or not significant at {rule.alpha:g})"
@@ -197,6 +199,11 @@ def _series_verdict(rule: LeakRule, name: str, res: LeakResult | None) -> RuleVe
             f"{res.reason}: sample longer or more often",
             details,
             suffix=suffix,
+            # the series' span is in server seconds; the run's is that × the time scale
+            too_short=TooShort(
+                f"≥ {MIN_BINS} bins of resource samples",
+                None if res.min_span_s is None else res.min_span_s * scale,
+            ),
         )
     if res.status is LeakStatus.LEAK:
         return verdict_for(
@@ -218,7 +225,9 @@ def _series_verdict(rule: LeakRule, name: str, res: LeakResult | None) -> RuleVe
 
 def _leaks(rule: LeakRule, ctx: Context) -> list[RuleVerdict]:
     results = _cached(ctx, rule)
-    out = [_series_verdict(rule, name, res) for name, res in results.items()]
+    t = ctx.candidate.run.resources
+    scale = resource_series(t)[2] if t is not None and t.num_rows else 1.0
+    out = [_series_verdict(rule, name, res, scale) for name, res in results.items()]
     if not rule.idle_baseline:
         return out
     idle = _idle(ctx.candidate.run)

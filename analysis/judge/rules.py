@@ -41,6 +41,8 @@ __all__ = [
     "DeviceLimitsRule",
     "ErrorRateRule",
     "GoldenRule",
+    "GoodputCriterion",
+    "GoodputRule",
     "IdleRules",
     "IdleSeries",
     "ImprovementSpec",
@@ -255,12 +257,51 @@ class SloRule(_Rule):
         return _MetricSpec._statistic(v)
 
 
+class GoodputCriterion(_Strict):
+    """Goodput as a capacity criterion: a rate is stable only when the share of its
+    requests that succeeded within `max_ttft_ms` and `max_tpot_ms` (analysis.stats.goodput;
+    null: that objective unchecked) is shown ≥ `min_share` (its interval's lower bound)."""
+
+    max_ttft_ms: float | None = Field(default=None, gt=0)
+    max_tpot_ms: float | None = Field(default=None, gt=0)
+    min_share: float = Field(gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _an_objective(self) -> GoodputCriterion:
+        if self.max_ttft_ms is None and self.max_tpot_ms is None:
+            raise ValueError("set max_ttft_ms or max_tpot_ms (or both): goodput needs an SLO")
+        return self
+
+
+class GoodputRule(_Rule):
+    """Goodput (spec §14.3, per request): in every selected cell, the requests that
+    succeeded with TTFT ≤ `max_ttft_ms` and TPOT ≤ `max_tpot_ms` (analysis.stats.goodput),
+    per second of the cell's steady window and as a share of its attempts. The share's
+    interval must lie at or above `min_share` (pass), or wholly below it (fail);
+    otherwise inconclusive. With both objectives null the rule is not configured; with
+    `min_share` null the goodput is reported (verdict.json, the report) but not judged.
+    Each rule judges the cells it selects by its own SLOs (give cells different SLOs by
+    rules whose selectors do not overlap); verdict.json's goodput section shows a cell
+    under the first enabled rule that selects it and sets one."""
+
+    kind: Literal["goodput"]
+    select: CellSelector = Field(default_factory=CellSelector)
+    max_ttft_ms: float | None = Field(default=None, gt=0)
+    max_tpot_ms: float | None = Field(default=None, gt=0)
+    min_share: float | None = Field(default=None, gt=0, le=1)
+
+    @property
+    def configured(self) -> bool:
+        return self.max_ttft_ms is not None or self.max_tpot_ms is not None
+
+
 class CapacityRule(_Rule):
     """§14.3 at the target arrival rate (the selected open-loop cells): server queue
     P99, reject rate (429/503 answers) and device utilisation, each against its SLA;
     the queue-growth test; and the stable max QPS of the run's rate sweep
     (analysis.judge.capacity): the highest rate held for `window_s` whose errors, rejects,
-    queue P99 and latency P99 meet the limits with a queue that does not keep growing."""
+    queue P99 and latency P99 meet the limits with a queue that does not keep growing,
+    and, with `goodput`, whose goodput share is shown at or above its minimum."""
 
     kind: Literal["capacity"]
     select: CellSelector = Field(default_factory=lambda: CellSelector(arrival=["poisson"]))
@@ -273,6 +314,7 @@ class CapacityRule(_Rule):
     max_latency_p99_ms: float | None = Field(default=None, gt=0)
     queue_growth_ms_per_min: float = Field(default=10.0, ge=0)
     min_stable_qps: float | None = Field(default=None, gt=0)
+    goodput: GoodputCriterion | None = None
 
     @field_validator("latency_metric")
     @classmethod
@@ -409,6 +451,7 @@ Rule = Annotated[
     | OptimizationRule
     | ThroughputGainRule
     | SloRule
+    | GoodputRule
     | CapacityRule
     | DeviceLimitsRule
     | BatchRule
@@ -430,6 +473,7 @@ RULE_CLASS: dict[str, str] = {
     "optimization": "performance",
     "throughput_gain": "performance",
     "slo": "performance",
+    "goodput": "performance",
     "capacity": "performance",
     "device_limits": "performance",
     "batch": "performance",

@@ -28,11 +28,14 @@ __all__ = [
     "RuleClass",
     "RuleVerdict",
     "Status",
+    "TooShort",
     "clean",
     "exit_code",
+    "is_too_short",
     "render_summary",
     "status_word",
     "to_json",
+    "too_short_lines",
     "verdict_dict",
 ]
 
@@ -60,6 +63,16 @@ _EXIT_BY_CLASS = {
 
 
 @dataclass(frozen=True, slots=True)
+class TooShort:
+    """Why an inconclusive verdict could not be decided: the run was too short for it.
+    `need` says what it lacked ("≥ 20 bins"), `run_s` how long a run (wall seconds)
+    would give it, where that can be said."""
+
+    need: str
+    run_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RuleVerdict:
     """The outcome of one rule (or one infrastructure check) on the run."""
 
@@ -72,6 +85,7 @@ class RuleVerdict:
     n: int
     reason: str
     details: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    too_short: TooShort | None = None
 
 
 def _failing(v: RuleVerdict, fail_on_inconclusive: bool) -> bool:
@@ -126,7 +140,46 @@ def verdict_dict(v: RuleVerdict) -> dict[str, Any]:
         "n": v.n,
         "reason": v.reason,
         "details": clean(list(v.details)),
+        "too_short": None
+        if v.too_short is None
+        else {"need": v.too_short.need, "run_s": clean(v.too_short.run_s)},
     }
+
+
+def is_too_short(v: dict[str, Any]) -> bool:
+    """An inconclusive verdict (as in verdict.json) the run was too short to decide."""
+    return v.get("status") == Status.INCONCLUSIVE.value and isinstance(v.get("too_short"), dict)
+
+
+_KIND_WORD = {"leaks": "leak", "capacity": "capacity", "slo": "SLO"}
+
+
+def _duration(seconds: float) -> str:
+    """A run length rounded up: "45 s", "4.5 min", "12 min", "3.2 h"."""
+    if seconds < 120:
+        return f"{math.ceil(seconds)} s"
+    minutes = seconds / 60
+    if minutes < 10:
+        return f"{math.ceil(minutes * 10) / 10:g} min"
+    if minutes < 120:
+        return f"{math.ceil(minutes)} min"
+    return f"{math.ceil(minutes / 6) / 10:g} h"
+
+
+def too_short_lines(verdicts: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per (rule kind, what they need) for the verdicts the run was too short
+    to decide: "6 leak rules need ≥ 20 bins: run ≥ 4.5 min"."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for v in verdicts:
+        if is_too_short(v):
+            groups.setdefault((str(v.get("kind")), str(v["too_short"]["need"])), []).append(v)
+    lines = []
+    for (kind, need), vs in groups.items():
+        word = _KIND_WORD.get(kind, kind)
+        runs = [float(v["too_short"]["run_s"]) for v in vs if v["too_short"].get("run_s")]
+        head = f"{len(vs)} {word} rule{'s' if len(vs) > 1 else ''} need{'' if len(vs) > 1 else 's'}"
+        lines.append(f"{head} {need}" + (f": run ≥ {_duration(max(runs))}" if runs else ""))
+    return lines
 
 
 def to_json(doc: dict[str, Any]) -> str:
@@ -170,6 +223,7 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
     elif vendor:
         lines.append(f"  {vendor['note']}")
     measured = [c for c in doc["cells"] if c["partition"] == "measured" and not c.get("boundary")]
+    good = {g["cell"]: g for g in (doc.get("goodput") or {}).get("cells") or []}
     for c in measured[:_MAX_CELLS]:
         p50 = c["p50_ms"]
         figures = ", ".join(
@@ -182,13 +236,16 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
             f"  cell {c['cell']}: {c['ok']} ok, {c['errors']} errors"
             + (f"; {figures}" if figures else "")
             + (f"; {rate:.1f} tokens/s" if rate is not None else "")
+            + _goodput_text(good.get(c["cell"]))
         )
     if len(measured) > _MAX_CELLS:
         lines.append(f"  … {len(measured) - _MAX_CELLS} more cells in summary.csv")
     for status in (Status.FAIL, Status.INCONCLUSIVE):
         for v in doc["verdicts"]:
-            if v["status"] == status.value:
+            if v["status"] == status.value and not is_too_short(v):
                 lines.append(f"  {_MARK[status]:<12} {v['rule']}: {v['reason']}")
+    for line in too_short_lines(doc["verdicts"]):
+        lines.append(f"  {'TOO SHORT':<12} {line}")
     for v in doc["verdicts"]:
         if v["status"] == Status.PASS.value:
             text = f"  {_MARK[Status.PASS]:<12} {v['rule']}: {v['reason']}"
@@ -204,6 +261,13 @@ def render_summary(doc: dict[str, Any], *, width: int = 100) -> str:
         f"verdict: {doc['status']} (exit {doc['exit_code']}); written: {', '.join(doc['outputs'])}"
     )
     return "\n".join(lines)
+
+
+def _goodput_text(g: dict[str, Any] | None) -> str:
+    if g is None or g.get("share") is None:
+        return ""
+    rate = "" if g.get("goodput_rps") is None else f"{g['goodput_rps']:.3g} req/s, "
+    return f"; goodput {rate}{100 * g['share']:.1f}% met the SLOs"
 
 
 _MAX_CELLS = 8

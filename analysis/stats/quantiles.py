@@ -24,6 +24,7 @@ __all__ = [
     "BOOTSTRAP_CI_METHOD",
     "MAD_METHOD",
     "MEAN_CI_METHOD",
+    "MIN_N_BOOTSTRAP",
     "PERCENTILE_METHOD",
     "QUANTILE_CI_METHOD",
     "RULES_INTERVAL",
@@ -112,7 +113,8 @@ autocorrelated (a request streams over many seconds); batches of a tenth of the 
 each are long against one request, which makes their means nearly independent — the
 classical batch-means method of simulation output analysis. Within-run only."""
 
-_MIN_N_BOOTSTRAP = 10
+MIN_N_BOOTSTRAP = 10
+"""The fewest values the std and MAD intervals (SPREAD_CI_METHOD) are given for."""
 _BOOTSTRAP_BATCH_ELEMS = 2_000_000  # resample values held in memory at once
 
 
@@ -411,10 +413,10 @@ def _bootstrap_ci(
     n_resamples: int,
     max_n: int,
 ) -> tuple[float | None, float | None]:
-    if n_resamples < 2 or max_n < _MIN_N_BOOTSTRAP:
-        raise ValueError(f"need n_resamples >= 2 and max_n >= {_MIN_N_BOOTSTRAP}")
+    if n_resamples < 2 or max_n < MIN_N_BOOTSTRAP:
+        raise ValueError(f"need n_resamples >= 2 and max_n >= {MIN_N_BOOTSTRAP}")
     n = x.size
-    if n < _MIN_N_BOOTSTRAP:
+    if n < MIN_N_BOOTSTRAP:
         return None, None
     rng = np.random.default_rng(seed)
     sub = x if n <= max_n else rng.choice(x, size=max_n, replace=False)
@@ -523,8 +525,8 @@ def summarize(
         mad_est = Estimate(
             mad_value, *_bootstrap_ci(x, _mad, level, seed, n_resamples, bootstrap_max_n)
         )
-    if 1 < n < _MIN_N_BOOTSTRAP and lo_x != hi_x:
-        warnings.append(f"n={n} < {_MIN_N_BOOTSTRAP}: no interval for std and MAD")
+    if 1 < n < MIN_N_BOOTSTRAP and lo_x != hi_x:
+        warnings.append(f"n={n} < {MIN_N_BOOTSTRAP}: no interval for std and MAD")
     return CellStats(
         n,
         missing,

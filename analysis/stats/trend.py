@@ -49,6 +49,7 @@ from analysis.stats.quantiles import FloatArray
 __all__ = [
     "LEAK_METHOD",
     "MIN_BINS",
+    "THEIL_SEN_MAX_POINTS",
     "LeakResult",
     "LeakStatus",
     "TrendTest",
@@ -63,6 +64,8 @@ LEAK_METHOD = (
     "autocorrelation correction (initial positive sequence of lags); magnitude gate"
 )
 MIN_BINS = 20
+THEIL_SEN_MAX_POINTS = 2000
+"""Points theil_sen takes pairwise at most; beyond, their equal-time bin means."""
 _MAX_BINS = 1000
 _BIN_S = 60.0
 
@@ -89,6 +92,9 @@ class LeakResult:
     warmup_s: float
     reason: str
     autocorr_factor: float | None = None  # Hamed–Rao n/n* (≥ 1)
+    # INSUFFICIENT_DATA: the span (the series' time, seconds) that would give MIN_BINS
+    # bins at this sampling interval; None where the samples cannot tell (fewer than 2)
+    min_span_s: float | None = None
     method: str = LEAK_METHOD
 
     @property
@@ -122,9 +128,18 @@ def theil_sen(t: Sequence[float] | FloatArray, y: Sequence[float] | FloatArray,
     points (scipy.stats.theilslopes), robust to a minority of outliers; Sen's interval
     at `level`. The one Theil–Sen of the tree: the leak test's here, the drivers' (the
     capacity search's backlog, the soak's client RSS) through the AnalysisDoor. Fewer
-    than 3 points tell no trend: slope 0."""
+    than 3 points tell no trend: slope 0.
+
+    Every pair is n² memory (a day of 1-s device samples: 45 GiB): beyond
+    THEIL_SEN_MAX_POINTS points the slope is taken on the means of that many equal-time
+    bins (bin_means), as the leak test takes it, which estimates the same slope."""
     if len(t) < 3:
         return SenFit(0.0, 0.0, 0.0)
+    if len(t) > THEIL_SEN_MAX_POINTS:
+        tt, yy = np.asarray(t, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        span = float(np.ptp(tt))
+        if span > 0:
+            t, y = bin_means(tt, yy, span * (1 + 1e-12) / THEIL_SEN_MAX_POINTS)
     fit = st.theilslopes(y, t, alpha=level)
     return SenFit(float(fit.slope), float(fit.low_slope), float(fit.high_slope))
 
@@ -174,6 +189,19 @@ def _default_bin_s(span_s: float) -> float:
     return min(max(_BIN_S, span_s / _MAX_BINS), span_s / MIN_BINS)
 
 
+def _min_span(t: FloatArray, bin_s: float | None, warmup_s: float | None) -> float | None:
+    """The span a series sampled like `t` (its samples after the warmup) needs for
+    MIN_BINS non-empty bins, one bin to spare: (MIN_BINS + 1) × the wider of the median
+    sampling interval and a fixed bin width, plus the warmup (10% of the span by default).
+    None with fewer than two distinct sample times."""
+    times = np.unique(t)
+    if times.size < 2:
+        return None
+    step = max(float(np.median(np.diff(times))), bin_s or 0.0)
+    after = (MIN_BINS + 1) * step
+    return after / 0.9 if warmup_s is None else after + float(warmup_s)
+
+
 def detect_leak(
     t_s: npt.ArrayLike,
     values: npt.ArrayLike,
@@ -216,6 +244,7 @@ def detect_leak(
         slope_h: float | None = None,
         ci: tuple[float, float] | None = None,
         test: TrendTest | None = None,
+        min_span_s: float | None = None,
     ) -> LeakResult:
         return LeakResult(
             status,
@@ -229,11 +258,13 @@ def detect_leak(
             warmup_s=warm,
             reason=reason,
             autocorr_factor=None if test is None else test.autocorr_factor,
+            min_span_s=min_span_s,
         )
 
     if tb.size < MIN_BINS:
         why = f"{tb.size} bins of {width:g} s after the {warm:g} s warmup; need ≥ {MIN_BINS}"
-        return result(LeakStatus.INSUFFICIENT_DATA, f"{resource}: {why}")
+        need = _min_span(t, bin_s, warmup_s)
+        return result(LeakStatus.INSUFFICIENT_DATA, f"{resource}: {why}", min_span_s=need)
 
     ts = theil_sen(tb, yb, level)
     slope_h = ts.slope * 3600.0

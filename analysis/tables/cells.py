@@ -48,8 +48,10 @@ __all__ = [
     "CellKey",
     "CellSummary",
     "Metric",
+    "client_wall_span",
     "group_cells",
     "summarize_cells",
+    "token_scale",
 ]
 
 SUMMARY_PARTITIONS = (Partition.MEASURED, Partition.THROTTLED, Partition.WARMUP)
@@ -150,6 +152,9 @@ class CellSummary:
     reasoning_requests: int = 0
     reasoning_tokens: int | None = None
     answer_tokens: int | None = None
+    # the steady window [start, end] on the client's wall clock (client_wall_span), None
+    # without one (no success)
+    steady_window_ns: tuple[int, int] | None = None
 
     @property
     def error_rate(self) -> float | None:
@@ -265,9 +270,10 @@ class _Cells:
         return out
 
 
-def _with_client_wall(table: pa.Table, offsets: Mapping[str, int]) -> pa.Table:
-    """Adds each request's start on the client's wall clock (NTP offset applied) and its
-    span t0 → last stamp; token times are placed on that clock."""
+def client_wall_span(table: pa.Table, offsets: Mapping[str, int]) -> tuple[IntArray, IntArray]:
+    """Each request's start on the client's wall clock (its worker's NTP offset applied)
+    and its end there: start + (last of t4, t5, t6 − t0). The clock of the steady
+    windows; token times are placed on it."""
     anchor = _np(table.column("ext.wall_anchor_ns"), np.int64, 0)
     t0 = _np(table.column("client_ns.request_start"), np.int64, 0)
     end = t0.copy()
@@ -278,9 +284,16 @@ def _with_client_wall(table: pa.Table, offsets: Mapping[str, int]) -> pa.Table:
     workers = _np(table.column("ext.worker"), object, "")
     for w, off in offsets.items():
         offset[workers == w] = off
+    start = np.asarray(to_reference_ns(anchor, offset), dtype=np.int64)
+    return start, start + (end - t0)
+
+
+def _with_client_wall(table: pa.Table, offsets: Mapping[str, int]) -> pa.Table:
+    """Adds client_wall_span's start and the span t0 → last stamp as columns."""
+    start, end = client_wall_span(table, offsets)
     return table.append_column(
-        "join.client_wall_start_ns", pa.array(to_reference_ns(anchor, offset), type=pa.int64())
-    ).append_column("join.client_span_ns", pa.array(end - t0, type=pa.int64()))
+        "join.client_wall_start_ns", pa.array(start, type=pa.int64())
+    ).append_column("join.client_span_ns", pa.array(end - start, type=pa.int64()))
 
 
 def _windows(
@@ -365,15 +378,15 @@ def _reduce(
     table: pa.Table, tokens: TokenParts, cells: _Cells, windows: SteadyWindows | None = None
 ) -> EventSums:
     """The token events reduced per group of successes (failures have no ITL); with
-    `windows`, each request's events counted to its confirmed total (`_scale`)."""
+    `windows`, each request's events counted to its confirmed total (`token_scale`)."""
     n_groups = len(cells.keys) * len(cells.partitions)
     group = np.where(cells.ok & (cells.group >= 0), cells.group, n_groups)
     ids = table.column("request_id")
-    scale = None if windows is None else _scale(table, tokens, ids)
+    scale = None if windows is None else token_scale(table, tokens, ids)
     return reduce_events(tokens, ids, group, n_groups, windows, scale)
 
 
-def _scale(table: pa.Table, tokens: TokenParts, ids: Any) -> FloatArray:
+def token_scale(table: pa.Table, tokens: TokenParts, ids: Any) -> FloatArray:
     """Per row, what its events' counts are scaled by to sum to its confirmed total,
     `workload.actual_output_tokens` (the server's usage where it sent one, else the
     chosen per-event source's sum: `ext.token_total_source`). The events' own sum is
@@ -485,6 +498,9 @@ def summarize_cells(
                 reasoning_requests=int(np.count_nonzero(reasoned[succ[g]])),
                 reasoning_tokens=_phase_tokens(table, "ext.reasoning_tokens", succ[g]),
                 answer_tokens=_phase_tokens(table, "ext.answer_tokens", succ[g]),
+                steady_window_ns=(int(windows.start_ns[g]), int(windows.end_ns[g]))
+                if windows.end_ns[g] > windows.start_ns[g]
+                else None,
                 metrics={
                     name: summarize(
                         values,

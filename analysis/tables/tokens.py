@@ -42,7 +42,16 @@ from analysis.stats.quantiles import THROUGHPUT_BATCHES
 from analysis.tables.join import BoolArray, FloatArray, IntArray, positions
 from analysis.tables.load import TokenParts
 
-__all__ = ["EventSums", "SteadyWindows", "batch_of", "confirmed_scale", "reduce_events"]
+__all__ = [
+    "EventSums",
+    "SteadyWindows",
+    "batch_of",
+    "confirmed_scale",
+    "event_columns",
+    "itl_gaps",
+    "reduce_events",
+    "split_events",
+]
 
 _IDX_BITS = 24  # event index bits of the (request row, event index) sort key
 
@@ -81,11 +90,18 @@ def _ints(col: Any) -> IntArray:
     return np.asarray(pc.fill_null(col, 0).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
-def _gaps(
-    pos: IntArray, count: IntArray, idx: IntArray, t: IntArray
-) -> tuple[IntArray, FloatArray]:
-    """(request row, ms) per generated token after the first, in (row, event index)
-    order, from the token-carrying events of known requests."""
+def event_columns(part: pa.Table, request_ids: Any) -> tuple[IntArray, IntArray, IntArray]:
+    """A token part's (request row or −1, tokens, arrival ns) per event."""
+    pos = positions(part.column("request_id"), request_ids)
+    return pos, _ints(part.column("tokens")), _ints(part.column("arrival_ns"))
+
+
+def itl_gaps(
+    pos: IntArray, count: IntArray, idx: IntArray, t: IntArray, *, with_times: bool = False
+) -> tuple[IntArray, FloatArray, IntArray | None]:
+    """(request row, ms, and with `with_times` the arrival ns of the later event) per
+    generated token after the first, in (row, event index) order, from the
+    token-carrying events of known requests (`pos` ≥ 0): the one ITL definition."""
     keep = (pos >= 0) & (count > 0)
     if not keep.all():
         pos, count, idx, t = pos[keep], count[keep], idx[keep], t[keep]
@@ -102,9 +118,11 @@ def _gaps(
     same = pos[1:] == pos[:-1]
     gap_ms = (t[1:] - t[:-1])[same] / 1e6
     k = count[1:][same]
+    at = t[1:][same] if with_times else None
     if bool(np.all(k == 1)):  # one token per event: nothing to repeat
-        return pos[1:][same], gap_ms
-    return np.repeat(pos[1:][same], k), np.repeat(gap_ms / k, k)
+        return pos[1:][same], gap_ms, at
+    rep = None if at is None else np.repeat(at, k)
+    return np.repeat(pos[1:][same], k), np.repeat(gap_ms / k, k), rep
 
 
 class _ItlChunks:
@@ -184,14 +202,13 @@ class _Reduction:
         self.batch_tokens = np.zeros((n_groups + 1) * THROUGHPUT_BATCHES)
 
     def add(self, path: str, part: pa.Table) -> None:
-        pos = positions(part.column("request_id"), self.request_ids)
-        count = _ints(part.column("tokens"))
-        t = _ints(part.column("arrival_ns"))
+        pos, count, t = event_columns(part, self.request_ids)
         here = np.zeros(self.seen.size, dtype=bool)
         here[pos[(pos >= 0) & (count > 0)]] = True
         self.split |= here & self.seen
         self.seen |= here
-        self.itl.add(*_gaps(pos, count, _ints(part.column("event_index")), t), self.group)
+        rows, ms, _ = itl_gaps(pos, count, _ints(part.column("event_index")), t)
+        self.itl.add(rows, ms, self.group)
         if self.windows is not None:
             self._add_windows(path, pos, count, t, self.windows)
 
@@ -223,9 +240,10 @@ class _Reduction:
     def rejoin_split(self, parts: TokenParts) -> None:
         """Recompute the ITL of requests whose events are in several parts, as one."""
         self.itl.drop(self.split)
-        joined = [_split_events(part, self.request_ids, self.split) for _, part in parts]
+        joined = [split_events(part, self.request_ids, self.split) for _, part in parts]
         pos, count, idx, t = (np.concatenate(c) for c in zip(*joined, strict=True))
-        self.itl.add(*_gaps(pos, count, idx, t), self.group)
+        rows, ms, _ = itl_gaps(pos, count, idx, t)
+        self.itl.add(rows, ms, self.group)
 
     def sums(self) -> EventSums:
         n = self.n_groups
@@ -291,7 +309,7 @@ def confirmed_scale(
     return np.where(ok, confirmed / np.where(ok, sums, 1.0), 1.0)
 
 
-def _split_events(part: pa.Table, request_ids: Any, split: BoolArray) -> list[IntArray]:
+def split_events(part: pa.Table, request_ids: Any, split: BoolArray) -> list[IntArray]:
     """(row, count, event index, arrival) of the part's events of the `split` requests."""
     pos = positions(part.column("request_id"), request_ids)
     mine = np.flatnonzero((pos >= 0) & split[np.maximum(pos, 0)])

@@ -32,12 +32,15 @@ from analysis.views.model import (
     RunView,
     Section,
     cap_rows,
+    comparison_why,
     figure,
     fmt_ci,
     fmt_int,
     fmt_ms,
     fmt_num,
     fmt_pct,
+    quantile_why,
+    spread_why,
     table,
 )
 
@@ -207,12 +210,24 @@ def _overview(rows: list[dict[str, Any]]) -> Any:
 
 
 def _percentile_cell(r: dict[str, Any], p: str) -> str:
-    """The percentile, its order-statistic interval (what the rules read) and, where the
-    run's summary has one, its bootstrap interval (spec §9)."""
-    text = f"{fmt_ms(r[p])} {fmt_ci(r[p + '_lo'], r[p + '_hi'])}"
-    if p + "_boot_lo" not in r:  # a summary written before the bootstrap interval
-        return text
+    """The percentile, its order-statistic interval (what the rules read; or why there
+    is none) and, where there is one, its bootstrap interval (spec §9), which exists only
+    beside a two-sided order-statistic one."""
+    if r[p] is None:
+        return DASH
+    why = quantile_why(float(p[1:]) / 100, r["count"], float(r["level"] or 0.95))
+    text = f"{fmt_ms(r[p])} {fmt_ci(r[p + '_lo'], r[p + '_hi'], why=why)}"
+    if r.get(p + "_boot_lo") is None or r.get(p + "_boot_hi") is None:
+        return text  # none, or a summary written before the bootstrap interval
     return f"{text} boot {fmt_ci(r[p + '_boot_lo'], r[p + '_boot_hi'])}"
+
+
+def _estimate_cell(r: dict[str, Any], name: str) -> str:
+    """Mean, std or MAD with its interval, or why it has none."""
+    if r[name] is None:
+        return DASH
+    why = spread_why(r["count"], {"mad": "MAD"}.get(name, name))
+    return f"{fmt_ms(r[name])} {fmt_ci(r[name + '_lo'], r[name + '_hi'], why=why)}"
 
 
 def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
@@ -224,9 +239,7 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
             fmt_int(r["count"]),
             *(_percentile_cell(r, p) for p in ("p50", "p90", "p95", "p99")),
             fmt_ms(r["max"]),
-            f"{fmt_ms(r['mean'])} {fmt_ci(r['mean_lo'], r['mean_hi'])}",
-            f"{fmt_ms(r['std'])} {fmt_ci(r['std_lo'], r['std_hi'])}",
-            f"{fmt_ms(r['mad'])} {fmt_ci(r['mad_lo'], r['mad_hi'])}",
+            *(_estimate_cell(r, name) for name in ("mean", "std", "mad")),
             short_warnings(r["warnings"]),
         )
         for r in sel
@@ -250,7 +263,8 @@ def _metric_table(metric: str, rows: list[dict[str, Any]], level: float) -> Any:
         name=f"metric-{metric}",
         caption=f"{METRIC_TITLES.get(metric, metric)}: {level * 100:g}% intervals; a "
         "percentile's first interval is the binomial order-statistic one (the rules read "
-        "it), 'boot' the percentile bootstrap's; [no interval] where n is too small for one",
+        "it), 'boot' the percentile bootstrap's (given only beside a two-sided first one); "
+        "a missing bound says what n it needs",
         numeric=(False, False, True, True, True, True, True, True, True, True, True, False),
         folded=metric not in _OPEN,
     )
@@ -443,10 +457,17 @@ def comparison_section(rv: RunView, base: RunView | None) -> Section:
 
 def _rule_comparisons(v: dict[str, Any]) -> Any:
     rows, classes = [], []
+    level = float(((v.get("methods") or {}).get("confidence_level")) or 0.95)
     for r in v.get("verdicts") or []:
         for d in r.get("details") or []:
             if not isinstance(d, dict) or "metric" not in d or "verdict" not in d:
                 continue
+            why = comparison_why(
+                str(d.get("statistic")),
+                int(d.get("n_baseline") or 0),
+                int(d.get("n_candidate") or 0),
+                level,
+            )
             rows.append(
                 (
                     str(r.get("rule")),
@@ -456,7 +477,7 @@ def _rule_comparisons(v: dict[str, Any]) -> Any:
                     fmt_ms(d.get("baseline")),
                     fmt_ms(d.get("candidate")),
                     fmt_ms(d.get("delta_abs")),
-                    f"{fmt_pct(d.get('delta_pct'), signed=True)} {_ci_pct(d.get('ci_pct'))}",
+                    f"{fmt_pct(d.get('delta_pct'), signed=True)} {_ci_pct(d.get('ci_pct'), why)}",
                     _direction_text(str(d.get("direction"))),
                     str(d.get("verdict")),
                     str(d.get("reason")),
@@ -497,10 +518,10 @@ def _rule_comparisons(v: dict[str, Any]) -> Any:
     )
 
 
-def _ci_pct(ci: Any) -> str:
+def _ci_pct(ci: Any, why: str = "") -> str:
     if isinstance(ci, list | tuple) and len(ci) == 2:
         return fmt_ci(ci[0], ci[1], "%")
-    return "[no interval]"
+    return fmt_ci(None, None, why=why)
 
 
 def _direction_text(direction: str) -> str:
@@ -534,7 +555,8 @@ def _wins_and_losses(rv: RunView, base: RunView, level: float, s: Section) -> li
             fmt_ms(c.baseline),
             fmt_ms(c.candidate),
             fmt_ms(c.delta_abs),
-            f"{fmt_pct(c.delta_pct, signed=True)} {_ci_pct(c.ci_pct)}",
+            f"{fmt_pct(c.delta_pct, signed=True)} "
+            + _ci_pct(c.ci_pct, comparison_why(c.statistic, c.n_baseline, c.n_candidate, level)),
             word.get(c.verdict, "no clear difference"),
         )
         for c in comps
@@ -618,7 +640,8 @@ def _throughput(rv: RunView, base: RunView, labels: Sequence[str], level: float)
                 lab,
                 fmt_num(comp.baseline),
                 fmt_num(comp.candidate),
-                f"{fmt_pct(comp.delta_pct, signed=True)} {_ci_pct(comp.ci_pct)}",
+                f"{fmt_pct(comp.delta_pct, signed=True)} "
+                + _ci_pct(comp.ci_pct, "fewer than 2 batches on a side"),
                 outcome,
             )
         )

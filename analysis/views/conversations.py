@@ -35,6 +35,7 @@ from analysis.views.model import (
     fmt_int,
     fmt_ms,
     fmt_pct,
+    quantile_why,
     table,
 )
 
@@ -100,7 +101,8 @@ def conversations_section(rv: RunView) -> Section | None:
 
 
 def _percentile(r: dict[str, Any], p: str) -> str:
-    return f"{fmt_ms(r[p])} {fmt_ci(r[p + '_lo'], r[p + '_hi'])}"
+    why = quantile_why(float(p[1:]) / 100, r["count"], float(r["level"] or 0.95))
+    return f"{fmt_ms(r[p])} {fmt_ci(r[p + '_lo'], r[p + '_hi'], why=why)}"
 
 
 def _stats_table(rows: list[dict[str, Any]], by: str, level: float) -> Table:
@@ -138,7 +140,7 @@ def _stats_table(rows: list[dict[str, Any]], by: str, level: float) -> Table:
         shown,
         name=f"conversation-{by.replace('_', '-')}",
         caption=f"TTFT (ms) by {what}: {level * 100:g}% binomial order-statistic intervals "
-        "(what the rules read; [no interval] where n is too small for one); cached reported "
+        "(what the rules read; a missing bound says what n it needs); cached reported "
         "= requests whose server said how many prompt tokens it served from its cache",
         note=note,
         numeric=(False, by == "turn", True, True, True, True, True, True, True, True, False),

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from analysis.views.model import RunView, Section, fmt_ci, fmt_int, fmt_ms, fmt_pct, table
+from analysis.views.model import (
+    RunView,
+    Section,
+    comparison_why,
+    fmt_ci,
+    fmt_int,
+    fmt_ms,
+    fmt_pct,
+    table,
+)
 
 __all__ = ["head_of_line_section"]
 
@@ -36,8 +45,9 @@ def head_of_line_section(rv: RunView) -> Section:
     s.notes.extend(str(x) for x in h.get("notes") or [])
     rows: list[tuple[str, ...]] = []
     classes: list[str] = []
+    level = float((((rv.verdict or {}).get("methods") or {}).get("confidence_level")) or 0.95)
     for c in h.get("comparisons") or []:
-        rows.append(_row(c))
+        rows.append(_row(c, level))
         classes.append({"shown": "fail", "none shown": "pass"}.get(str(c.get("penalty")), ""))
     s.tables.append(
         table(
@@ -64,9 +74,13 @@ def head_of_line_section(rv: RunView) -> Section:
     return s
 
 
-def _row(c: dict[str, Any]) -> tuple[str, ...]:
+def _row(c: dict[str, Any], level: float) -> tuple[str, ...]:
     lo, hi = c.get("ci_abs") or (None, None)
     plo, phi = c.get("ci_pct") or (None, None)
+    why = comparison_why(
+        str(c.get("statistic")), int(c.get("n_baseline") or 0), int(c.get("n_candidate") or 0),
+        level,
+    )  # fmt: skip
     return (
         str(c.get("cell")),
         str(c.get("metric")),
@@ -75,7 +89,7 @@ def _row(c: dict[str, Any]) -> tuple[str, ...]:
         fmt_int(c.get("n_candidate")),
         fmt_ms(c.get("baseline")),
         fmt_ms(c.get("candidate")),
-        f"{fmt_ms(c.get('delta_abs'))} {fmt_ci(lo, hi)}",
-        f"{fmt_pct(c.get('delta_pct'), signed=True)} {fmt_ci(plo, phi, '%')}",
+        f"{fmt_ms(c.get('delta_abs'))} {fmt_ci(lo, hi, why=why)}",
+        f"{fmt_pct(c.get('delta_pct'), signed=True)} {fmt_ci(plo, phi, '%', why)}",
         str(c.get("penalty")),
     )

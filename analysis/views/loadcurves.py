@@ -23,6 +23,7 @@ from analysis.views.model import (
     fmt_ms,
     fmt_num,
     fmt_pct,
+    quantile_why,
     table,
 )
 
@@ -190,8 +191,14 @@ def _verdict_rows(rv: RunView, pred: Any) -> Any:
     )
 
 
-def _p99(d: dict[str, Any], key: str) -> str:
-    return f"{fmt_ms(d.get(key + '_ms'))} {fmt_ci(d.get(key + '_lo'), d.get(key + '_hi'))}"
+def _p99(d: dict[str, Any], key: str, n_key: str, level: float) -> str:
+    """A P99 with its interval, or why it has none (from the n it rests on)."""
+    why = quantile_why(0.99, d.get(n_key), level)
+    return f"{fmt_ms(d.get(key + '_ms'))} {fmt_ci(d.get(key + '_lo'), d.get(key + '_hi'), why=why)}"
+
+
+def _level(rv: RunView) -> float:
+    return float((((rv.verdict or {}).get("methods") or {}).get("confidence_level")) or 0.95)
 
 
 def capacity_section(rv: RunView) -> Section:
@@ -225,8 +232,8 @@ def capacity_section(rv: RunView) -> Section:
             fmt_int(p.get("dropped")),
             fmt_pct(_100(p.get("error_rate"))),
             fmt_pct(_100(p.get("reject_rate"))),
-            f"{_p99(p, 'queue_p99')} n={fmt_int(p.get('queue_n'))}",
-            f"{_p99(p, 'latency_p99')} n={fmt_int(p.get('latency_n'))}",
+            f"{_p99(p, 'queue_p99', 'queue_n', _level(rv))} n={fmt_int(p.get('queue_n'))}",
+            f"{_p99(p, 'latency_p99', 'latency_n', _level(rv))} n={fmt_int(p.get('latency_n'))}",
             fmt_pct(_100(p.get("utilisation"))),
             f"{p.get('queue_growth')} {fmt_num(p.get('queue_slope_ms_per_min'))} ms/min",
             "yes" if p.get("stable") else "no: " + "; ".join(p.get("not_stable_because") or []),
@@ -399,7 +406,7 @@ def batch_section(rv: RunView) -> Section:
                     fmt_num(c.get("effective_tokens_s")),
                     fmt_num(c.get("aggregate_tokens_s")),
                     fmt_ms(c.get("tpot_p50_ms")),
-                    _p99(c, "tpot_p99"),
+                    _p99(c, "tpot_p99", "tpot_n", _level(rv)),
                     fmt_ms(c.get("single_request_tpot_p99_ms")),
                 )
                 for c in cells

@@ -22,18 +22,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from markupsafe import Markup
 
+from analysis.stats.quantiles import MIN_N_BOOTSTRAP, min_n_for_ci
+from analysis.tables.load import TokenParts
 from analysis.tables.runfiles import RunFiles
 
 __all__ = [
     "DASH",
     "NO_DATA",
     "Banner",
+    "Cell",
     "Figure",
     "ReportView",
     "RunView",
     "Section",
     "Table",
     "cap_rows",
+    "comparison_why",
     "figure",
     "fmt_ci",
     "fmt_int",
@@ -43,6 +47,8 @@ __all__ = [
     "fmt_rel",
     "fmt_wall",
     "label_column",
+    "quantile_why",
+    "spread_why",
     "table",
 ]
 
@@ -51,12 +57,25 @@ DASH = "–"
 
 
 @dataclass(frozen=True, slots=True)
+class Cell:
+    """A table cell of two lines: the figure, and under it in small type what qualifies
+    it (its interval, or why it has none)."""
+
+    main: str
+    sub: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.main} {self.sub}".strip()
+
+
+@dataclass(frozen=True, slots=True)
 class Table:
-    """A table of display strings. `numeric[i]` right-aligns column i; `row_class[j]`
-    marks row j ("fail", "warn", "pass", ""); `note` says what was capped."""
+    """A table of display strings (or two-line `Cell`s). `numeric[i]` right-aligns column
+    i; `row_class[j]` marks row j ("fail", "warn", "pass", ""); `note` says what was
+    capped."""
 
     columns: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
+    rows: tuple[tuple[str | Cell, ...], ...]
     name: str = ""
     caption: str = ""
     note: str = ""
@@ -110,17 +129,23 @@ class Banner:
     run_id: str
     purpose: str
     facts: tuple[tuple[str, str], ...]
-    failing: tuple[tuple[str, str, str], ...]  # (rule, status, reason)
+    failing: tuple[tuple[str, str, str], ...]  # (rule, status, reason), the first few
     rehearsal: str | None = None  # "rehearsal: not an acceptance" (spec §8), else None
+    more_failing: int = 0  # failed or inconclusive rules beyond `failing`
+    too_short: tuple[str, ...] = ()  # "6 leak rules need ≥ 20 bins …: run ≥ 2 min"
 
 
 @dataclass(frozen=True, slots=True)
 class ReportView:
+    """`lead` is shown right under the banner, before the table of contents (the first
+    screen: how fast, and over time); `sections` after it."""
+
     title: str
     banner: Banner
     sections: tuple[Section, ...]
     notes: tuple[str, ...]
     tool: str
+    lead: tuple[Section, ...] = ()
 
 
 @dataclass(slots=True)
@@ -146,6 +171,7 @@ class RunView:
     resources: pa.Table | None = None
     vendor: pa.Table | None = None  # server/vendor.jsonl (spec §17), None without one
     t0_wall_ns: int | None = None  # the run's start: relative times count from it
+    tokens: TokenParts | None = None  # the token-event parts (read only on demand)
 
     def col(self, name: str, fill: Any = None, dtype: Any = None) -> npt.NDArray[Any]:
         """A record column as numpy (nulls → `fill`, NaN for floats by default)."""
@@ -241,10 +267,50 @@ def fmt_pct(v: Any, digits: int = 3, signed: bool = False) -> str:
     return f"{'+' if signed and float(v) > 0 else ''}{text}%"
 
 
-def fmt_ci(lo: Any, hi: Any, unit: str = "") -> str:
-    if not (_finite(lo) and _finite(hi)):
-        return "[no interval]"
-    return f"[{fmt_num(lo)}, {fmt_num(hi)}]{unit}"
+def fmt_ci(lo: Any, hi: Any, unit: str = "", why: str = "") -> str:
+    """ "[lo, hi]unit"; with a bound missing, what exists and why the rest does not:
+    "[12.5, no upper bound: n = 222 < 368 for P99 at 95%]", "[no interval: …]"."""
+    because = f": {why}" if why else ""
+    if _finite(lo) and _finite(hi):
+        return f"[{fmt_num(lo)}, {fmt_num(hi)}]{unit}"
+    if _finite(lo):
+        return f"[{fmt_num(lo)}{unit}, no upper bound{because}]"
+    if _finite(hi):
+        return f"[no lower bound, {fmt_num(hi)}{unit}{because}]"
+    return f"[no interval{because}]"
+
+
+def quantile_why(q: float, n: Any, level: float) -> str:
+    """Why the q-quantile of n values has no (two-sided) order-statistic interval at this
+    level: "n = 222 < 368 for P99 at 95%"; "" where n is enough (or unknown)."""
+    if not _finite(n):
+        return ""
+    if int(n) == 0:
+        return "no data"
+    need = min_n_for_ci(q, level)
+    if int(n) >= need:
+        return ""
+    # no break inside "n = 222 < 368": a table cell wraps around it, never through it
+    return f"n\u00a0=\u00a0{int(n):,}\u00a0<\u00a0{need:,} for P{q * 100:g} at {level * 100:g}%"
+
+
+def comparison_why(statistic: str, n_base: int, n_cand: int, level: float) -> str:
+    """Why the paired comparison of a statistic has no interval: for a percentile, the
+    smaller side's n (analysis.stats.compare needs min_n_for_ci on each side)."""
+    if not statistic.startswith("p"):
+        return "see the sample sizes"
+    why = quantile_why(float(statistic[1:]) / 100, min(n_base, n_cand), level)
+    return f"{why} on a side" if why else "the baseline is ≤ 0"
+
+
+def spread_why(n: Any, what: str) -> str:
+    """Why the mean ("mean", n < 2) or std/MAD (n < MIN_N_BOOTSTRAP) has no interval."""
+    if not _finite(n):
+        return ""
+    need = 2 if what == "mean" else MIN_N_BOOTSTRAP
+    if int(n) == 0:
+        return "no data"
+    return f"n\u00a0=\u00a0{int(n):,}\u00a0<\u00a0{need} for the {what}" if int(n) < need else ""
 
 
 def fmt_wall(wall_ns: Any) -> str:
@@ -282,7 +348,7 @@ def cap_rows(
 
 def table(
     columns: Iterable[str],
-    rows: Iterable[Iterable[str]],
+    rows: Iterable[Iterable[str | Cell]],
     *,
     name: str = "",
     caption: str = "",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ __all__ = [
     "breakdown_bars",
     "cdf_figure",
     "curve_figure",
+    "log_ticks",
     "scatter_curve",
     "shaded_scatter",
     "timeseries_figure",
@@ -79,6 +81,7 @@ class Panel:
     step: bool = False
     bands: Sequence[tuple[float, float]] = ()  # light grey, e.g. the cells' windows
     band_label: str = ""
+    marks: Sequence[tuple[float, str]] = ()  # vertical lines at x, labelled (rate changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,10 @@ def cdf_figure(panels: Sequence[tuple[str, Sequence[Line]]]) -> str:
             ax.set_ylim(0, 1.01)
             if any(len(line.x) and min(line.x) > 0 for line in lines):
                 ax.set_xscale("log")
+                _plain_log(ax.xaxis)
+            else:
+                _plain(ax.xaxis)
+            _plain(ax.yaxis)
             _styled(ax)
         axes[0].legend(loc="lower right", frameon=False)
         return _svg(fig)
@@ -171,6 +178,8 @@ def curve_figure(panels: Sequence[tuple[str, str, Sequence[Line]]]) -> str:
             ax.set_title(title)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("ms")
+            _plain(ax.xaxis)
+            _plain(ax.yaxis)
             _styled(ax)
         axes[0].legend(frameon=False)
         return _svg(fig)
@@ -213,6 +222,10 @@ def scatter_curve(
             )
         if len(points[0]) and min(points[0]) > 0:
             ax.set_xscale("log", base=2)
+            _plain_log(ax.xaxis, base=2)
+        else:
+            _plain(ax.xaxis)
+        _plain(ax.yaxis)
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -225,6 +238,46 @@ def _plain(axis: Any) -> None:
     """Ticks as plain numbers with thousands separators: never an offset, a ×10ⁿ factor
     or a power of ten, which a reader misreads at a glance."""
     axis.set_major_formatter(ticker.FuncFormatter(lambda v, _pos: f"{v:,.10g}"))
+
+
+_LOG_STEPS: tuple[tuple[float, ...], ...] = ((1,), (1, 2, 5), (1, 2, 3, 5))
+
+
+def log_ticks(lo: float, hi: float, base: int = 10, most: int = 8) -> list[float]:
+    """Plain-number ticks for a log axis over [lo, hi] (lo > 0): for base 10 the
+    coarsest of 1·10ᵏ; 1, 2, 5; 1, 2, 3, 5 that gives 3 to `most` ticks; for base 2 the
+    powers of two, every other one while there are too many; where that gives fewer than
+    3 (a range inside a decade, or an octave), evenly spaced round numbers."""
+    if not (0 < lo < hi) or not math.isfinite(hi):
+        return []
+    k0, k1 = math.floor(math.log(lo, base)), math.ceil(math.log(hi, base))
+    ticks: list[float] = []
+    if base == 2:
+        ticks = [2.0**k for k in range(k0, k1 + 1) if lo <= 2.0**k <= hi]
+        while len(ticks) > most:
+            ticks = ticks[::2]
+    else:
+        for steps in _LOG_STEPS:
+            found = [m * 10.0**k for k in range(k0, k1 + 1) for m in steps]
+            found = [t for t in found if lo <= t <= hi]
+            if len(found) > most:
+                break
+            ticks = found
+            if len(found) >= 3:
+                break
+    if len(ticks) >= 3:
+        return ticks
+    even = [float(t) for t in ticker.MaxNLocator(5).tick_values(lo, hi) if lo <= t <= hi]
+    return even if len(even) > len(ticks) else ticks
+
+
+def _plain_log(axis: Any, base: int = 10) -> None:
+    """A log axis with plain-number ticks (log_ticks) and no minor labels: matplotlib's
+    own would read 3×10¹ or 2¹⁰. Call once the data are drawn (the limits are final)."""
+    lo, hi = axis.get_view_interval()
+    axis.set_major_locator(ticker.FixedLocator(log_ticks(min(lo, hi), max(lo, hi), base)))
+    axis.set_minor_formatter(ticker.NullFormatter())
+    _plain(axis)
 
 
 def shaded_scatter(
@@ -287,23 +340,28 @@ def breakdown_bars(
             left += widths
         ax.set_yticks(y, [b.label for b in bars], fontsize=6)
         ax.set_xlabel("ms (end to end, client clock; server phases from the trace)")
+        _plain(ax.xaxis)
         ax.legend(frameon=False, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=6)
         _styled(ax)
         return _svg(fig)
 
 
-def timeseries_figure(panels: Sequence[Panel], *, xlabel: str) -> str:
-    """Stacked time-series axes sharing x; limits as dashed lines, spans shaded."""
+def timeseries_figure(panels: Sequence[Panel], *, xlabel: str, ncols: int = 1) -> str:
+    """Time-series axes sharing x, in `ncols` columns (filled row by row); limits as
+    dashed lines, spans shaded, marks as labelled vertical lines; plain-number ticks."""
     with plt.rc_context(_RC):
+        nrows = math.ceil(len(panels) / ncols)
+        width = 8.0 if ncols == 1 else 6.6 * ncols
         fig, axes = plt.subplots(
-            len(panels),
-            1,
-            figsize=(8.0, 1.5 * len(panels) + 0.5),
+            nrows,
+            ncols,
+            figsize=(width, (1.5 if ncols == 1 else 2.1) * nrows + 0.5),
             sharex=True,
             squeeze=False,
             layout="constrained",
         )
-        for ax, panel in zip(axes[:, 0], panels, strict=True):
+        flat = list(axes.flat)
+        for ax, panel in zip(flat, panels, strict=False):
             for i, (a, b) in enumerate(panel.bands):
                 ax.axvspan(
                     a,
@@ -329,16 +387,48 @@ def timeseries_figure(panels: Sequence[Panel], *, xlabel: str) -> str:
                         line.y,
                         where="post",
                         lw=0.9,
+                        ls=line.style,
                         label=line.label,
                         color=_color(line, i),
                     )
                 else:
-                    ax.plot(line.x, line.y, lw=0.9, label=line.label, color=_color(line, i))
+                    ax.plot(
+                        line.x,
+                        line.y,
+                        lw=0.9,
+                        ls=line.style,
+                        marker=line.marker,
+                        ms=2.5,
+                        label=line.label,
+                        color=_color(line, i),
+                    )
             for value, text in panel.limits:
                 ax.axhline(value, color="C3", ls="--", lw=0.8, label=text)
+            for x, text in panel.marks:
+                ax.axvline(x, color="C4", ls=":", lw=0.9)
+                ax.annotate(
+                    text,
+                    (x, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(2, -2),
+                    textcoords="offset points",
+                    fontsize=6,
+                    ha="left",
+                    va="top",
+                    color="C4",
+                )
             ax.set_ylabel(panel.ylabel)
+            _plain(ax.xaxis)
+            _plain(ax.yaxis)
             _styled(ax)
             if len(panel.lines) > 1 or panel.limits or panel.spans or panel.bands:
                 ax.legend(frameon=False, fontsize=6, loc="upper left", ncols=3)
-        axes[-1, 0].set_xlabel(xlabel)
+        for ax in flat[len(panels) :]:
+            ax.set_visible(False)
+        for ax in axes[-1, :]:
+            ax.set_xlabel(xlabel)
+        if len(panels) % ncols and nrows > 1:  # a column whose last row is empty
+            for ax in axes[-2, len(panels) % ncols :]:
+                ax.set_xlabel(xlabel)
+                ax.xaxis.set_tick_params(labelbottom=True)
         return _svg(fig)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from analysis.judge.verdict import is_too_short, too_short_lines
 from analysis.tables.join import coalesced_note
 from analysis.tables.runfiles import redact
 from analysis.views.model import (
@@ -35,6 +36,7 @@ from analysis.views.network import (
 from calculet_load.schema.manifest import REHEARSAL_BANNER, is_rehearsal
 
 __all__ = [
+    "BANNER_RULES",
     "EXIT_MEANINGS",
     "banner",
     "plan_section",
@@ -131,6 +133,7 @@ def banner(rv: RunView) -> Banner:
     # spec §8: a rehearsal says so in the banner (verdict.json's, else the manifest's purpose)
     rehearsal = (v or {}).get("banner") or (REHEARSAL_BANNER if is_rehearsal(purpose) else None)
     failing: list[tuple[str, str, str]] = []
+    too_short: tuple[str, ...] = ()
     if v is None:
         code = stop_code
         headline = "NO VERDICT"
@@ -158,9 +161,13 @@ def banner(rv: RunView) -> Banner:
                 ),
             )
         )
-        for r in v.get("verdicts") or []:
-            if r.get("status") in ("fail", "inconclusive"):
-                failing.append((str(r.get("rule")), str(r.get("status")), str(r.get("reason"))))
+        verdicts = v.get("verdicts") or []
+        # failures first; a rule the run was too short to decide is counted in one line
+        for status in ("fail", "inconclusive"):
+            for r in verdicts:
+                if r.get("status") == status and not is_too_short(r):
+                    failing.append((str(r.get("rule")), status, _short(str(r.get("reason")))))
+        too_short = tuple(too_short_lines(verdicts))
     faults = rv.files.read_json("faults.json")
     if isinstance(faults, dict) and isinstance(faults.get("exit_code"), int):
         fcode = int(faults["exit_code"])
@@ -211,9 +218,21 @@ def banner(rv: RunView) -> Banner:
         run_id=run_id,
         purpose=purpose,
         facts=tuple(facts),
-        failing=tuple(failing),
+        failing=tuple(failing[:BANNER_RULES]),
         rehearsal=rehearsal,
+        more_failing=max(0, len(failing) - BANNER_RULES),
+        too_short=too_short,
     )
+
+
+BANNER_RULES = 5
+"""Failed or inconclusive rules the banner lists; the rest are counted (all are in "Rules
+and verdicts"), so the first screen keeps the headline table in view."""
+_REASON_CHARS = 220
+
+
+def _short(reason: str) -> str:
+    return reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 1] + "…"
 
 
 def _value(x: Any) -> str:

@@ -13,7 +13,11 @@ stable when, over its measured part (after a warmup share),
   - the reject rate (HTTP 429/503 and arrivals dropped at the client's in-flight cap)
     is within the SLA;
   - the P99 server queue time (accepted -> first job prepared, from the server's
-    events), the P99 TTFT and the P99 end-to-end latency are within the SLA, where set.
+    events), the P99 TTFT and the P99 end-to-end latency are within the SLA, where set;
+  - with the SLA's `goodput`, the share of the measured arrivals that succeeded within
+    its TTFT and TPOT objectives (the analysis' one definition of a good request,
+    through the AnalysisDoor: `meets_slos`) is at least its `min_share`; an arrival
+    dropped at the client's cap is not good.
 
 Rates are requests per *target* second and durations target seconds: against a
 simulator at `--time-scale F` (or the `time_scale` of `/admin/state`) a window of W
@@ -39,7 +43,7 @@ from typing import Any
 import gevent
 import gevent.pool
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from calculet_load.doors import AnalysisDoor
 from calculet_load.drive.client import RunClient
@@ -70,6 +74,24 @@ CAPACITY_SCHEMA = "calculet-capacity/v1"
 SPEC_WINDOW_S = 1800.0
 
 
+class GoodputSLA(BaseModel):
+    """Goodput as the search's criterion: at least `min_share` of a window's measured
+    arrivals succeed with TTFT ≤ `max_ttft_ms` and TPOT ≤ `max_tpot_ms` (target ms; a
+    null objective is not checked, one of them must be set)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_ttft_ms: float | None = Field(default=None, gt=0)
+    max_tpot_ms: float | None = Field(default=None, gt=0)
+    min_share: float = Field(gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _an_objective(self) -> GoodputSLA:
+        if self.max_ttft_ms is None and self.max_tpot_ms is None:
+            raise ValueError("set max_ttft_ms or max_tpot_ms (or both): goodput needs an SLO")
+        return self
+
+
 class SLA(BaseModel):
     """The limits a stable window meets; None: not checked."""
 
@@ -81,6 +103,7 @@ class SLA(BaseModel):
     max_e2e_p99_ms: float | None = Field(default=None, gt=0)
     # allowed backlog growth over the measured span, as a share of its arrivals
     backlog_tolerance: float = Field(default=0.02, ge=0)
+    goodput: GoodputSLA | None = None
 
 
 def load_sla(path: str | None, overrides: dict[str, Any]) -> SLA:
@@ -98,7 +121,8 @@ def load_sla(path: str | None, overrides: dict[str, Any]) -> SLA:
         return SLA.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ValueError(f"sla.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise ValueError(f"sla.{'.'.join(map(str, err['loc']))}: {msg}") from None
 
 
 @dataclasses.dataclass
@@ -109,6 +133,8 @@ class _Req:
     error: str | None = None
     e2e_s: float | None = None
     ttft_s: float | None = None
+    tpot_s: float | None = None
+    output_tokens: int | None = None
     done_mono: float | None = None
 
 
@@ -235,7 +261,10 @@ class Capacity:
         def send(spec: RequestSpec) -> None:
             req = _Req(sent_mono=time.monotonic())
             reqs.append(req)
-            _, out = self.session.send(spec)
+            rec, out = self.session.send(spec)
+            tpot = rec.durations_ms.tpot
+            req.tpot_s = None if tpot is None else tpot / 1e3
+            req.output_tokens = rec.workload.actual_output_tokens
             req.rid = out.request_id
             req.status = out.http_status
             req.error = out.error_code if out.error_class else None
@@ -289,6 +318,7 @@ class Capacity:
             f"served {m['served_rate']:.4g}/s, backlog +{m['backlog_growth']:.1f}, "
             f"rejects {m['reject_rate']:.1%}, e2e p99 {_ms(m['e2e_p99_ms'])}, "
             f"queue p99 {_ms(m['queue_p99_ms'])}"
+            + (f", goodput {m['goodput_share']:.1%}" if "goodput_share" in m else "")
             + ("" if result["stable"] else f" ({'; '.join(result['reasons'])})")
         )
         return result
@@ -336,6 +366,8 @@ class Capacity:
             "ttft_p99_ms": _scaled(_p99([r.ttft_s for r in ok if r.ttft_s is not None]), s),
             "queue_p99_ms": queue,
         }
+        if sla.goodput is not None:
+            metrics.update(self._goodput(sla.goodput, measured, arrivals, span, measure_from, end))
         reasons = []
         allowed = max(2.0, sla.backlog_tolerance * arrivals)
         if growth > allowed:
@@ -350,11 +382,48 @@ class Capacity:
             value = metrics[key]
             if limit is not None and (value is None or value > limit):
                 reasons.append(f"{key} {_ms(value)} > {limit:g} ms")
+        if sla.goodput is not None and metrics["goodput_share"] < sla.goodput.min_share:
+            reasons.append(
+                f"goodput share {metrics['goodput_share']:.1%} < {sla.goodput.min_share:.1%}"
+            )
         if errors - rejects > 0:
             reasons.append(f"{errors - rejects} request(s) failed (not rejections)")
         if not ok:
             reasons.append("no request completed in the measured part")
         return {"rate": rate, "stable": not reasons, "reasons": reasons, "metrics": metrics}
+
+    def _goodput(
+        self,
+        slo: GoodputSLA,
+        measured: list[_Req],
+        arrivals: int,
+        span: float,
+        measure_from: float,
+        end: float,
+    ) -> dict[str, Any]:
+        """The measured arrivals that met the objectives (target ms): their share of all
+        arrivals (a dropped one is not good), and those ended inside the measured part per
+        target second."""
+        s = self.scale
+        good = self.door.meets_slos(
+            [r.error is None and r.e2e_s is not None for r in measured],
+            [_target_ms(r.ttft_s, s) for r in measured],
+            [_target_ms(r.tpot_s, s) for r in measured],
+            [float("nan") if r.output_tokens is None else r.output_tokens for r in measured],
+            max_ttft_ms=slo.max_ttft_ms,
+            max_tpot_ms=slo.max_tpot_ms,
+        )
+        n_good = int(sum(bool(g) for g in good))
+        ended = sum(
+            1
+            for r, g in zip(measured, good, strict=True)
+            if g and r.done_mono is not None and measure_from <= r.done_mono <= end
+        )
+        return {
+            "goodput_good": n_good,
+            "goodput_share": n_good / arrivals if arrivals else 0.0,
+            "goodput_rate": ended / span * s if span > 0 else 0.0,  # per target second
+        }
 
     def _queue_ms(self, rids: set[str]) -> float | None:
         """P99 of the server's queue time (accepted -> job_prepared of step 0), target ms."""
@@ -439,6 +508,11 @@ class Capacity:
 
 def _scaled(seconds: float | None, scale: float) -> float | None:
     return None if seconds is None else seconds * 1000.0 / scale
+
+
+def _target_ms(seconds: float | None, scale: float) -> float:
+    """Real seconds as target ms; NaN for a figure the request does not have."""
+    return float("nan") if seconds is None else seconds * 1000.0 / scale
 
 
 def _ms(value: float | None) -> str:

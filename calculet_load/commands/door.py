@@ -16,6 +16,7 @@ def analysis_door() -> AnalysisDoor:
     from analysis.judge.resources import leak_segments
     from analysis.report import write_report
     from analysis.sign import sign_run
+    from analysis.stats.goodput import meets_slos
     from analysis.stats.trend import theil_sen
 
     return AnalysisDoor(
@@ -26,6 +27,7 @@ def analysis_door() -> AnalysisDoor:
         joined_records=_joined_records,
         theil_sen=theil_sen,
         idle_criterion=idle_criterion,
+        meets_slos=meets_slos,
     )
 
 

@@ -217,7 +217,7 @@ def test_the_report_shows_the_conversations_section(tmp_path: Path) -> None:
         [CELL, "2", "2", "2"],
     ]
     assert turns[0][6] == "25.0%"  # cached share P50 of turn 0
-    assert turns[0][7] == "40.00 [no interval]"  # n = 3
+    assert turns[0][7] == "40.00 [no interval: n\xa0=\xa03\xa0<\xa06 for P50 at 95%]"
     # and what an interval needs (min_n_for_ci at 95%: P50 6, P90 36, P99 368); at
     # n = 3 the P90 and P99 have their lower bound x_(1), not their upper one
     assert turns[0][-1] == (

@@ -58,6 +58,8 @@ def test_too_few_samples_after_warmup_is_insufficient_data() -> None:
     r = L.detect_leak(t, t * 1e3, min_slope_per_h=1.0, warmup_s=60.0, bin_s=1.0)
     assert r.status is LeakStatus.INSUFFICIENT_DATA and not r.leak
     assert r.slope_per_h is None and "18 bins" in r.reason
+    # what would decide it: 21 samples 30 s apart after the 60 s warmup
+    assert r.min_span_s == pytest.approx(60 + 21 * 30)
     empty = L.detect_leak([], [], min_slope_per_h=1.0)
     assert empty.status is LeakStatus.INSUFFICIENT_DATA
 
@@ -139,3 +141,28 @@ def test_allocation_spikes_do_not_make_a_leak() -> None:
             y[start : start + 5] += 300 * MB
         alarms += L.detect_leak(t, y, min_slope_per_h=GATE).leak
     assert alarms <= 2
+
+
+@pytest.mark.parametrize("step_s", [0.5, 2.0, 10.0, 45.0])
+def test_a_series_as_long_as_it_said_is_decided(step_s: float) -> None:
+    """The span an undecided series names (min_span_s) is enough: sampled the same way
+    for that long, it has its 20 bins."""
+    t = np.arange(0.0, 12 * step_s, step_s)
+    short = L.detect_leak(t, np.zeros_like(t), min_slope_per_h=1.0)
+    assert short.status is LeakStatus.INSUFFICIENT_DATA and short.min_span_s is not None
+    t = np.arange(0.0, short.min_span_s + step_s / 2, step_s)
+    long = L.detect_leak(t, np.zeros_like(t), min_slope_per_h=1.0)
+    assert long.status is not LeakStatus.INSUFFICIENT_DATA, long.reason
+
+
+def test_theil_sen_on_a_day_of_one_second_samples_stays_small() -> None:
+    """86,400 points would be 86,400² pairs (56 GiB): the slope comes from equal-time
+    bin means instead, and is the same slope."""
+    rng = np.random.default_rng(3)
+    t = np.arange(86_400, dtype=np.float64)
+    y = 40.0 + 2e-5 * t + rng.normal(0, 0.5, t.size)  # 0.072 °C per hour, noisy
+    fit = L.theil_sen(t, y)
+    assert fit.slope == pytest.approx(2e-5, rel=0.05)
+    assert fit.low < 2e-5 < fit.high
+    # below the cap, every pair as before: a clean line's exact slope
+    assert L.theil_sen(t[: L.THEIL_SEN_MAX_POINTS], 3.0 * t[: L.THEIL_SEN_MAX_POINTS]).slope == 3.0

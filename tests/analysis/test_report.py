@@ -440,15 +440,16 @@ def test_a_real_acceptance_run_renders_a_report_chromium_opens(
 REPORT_API = {
     "report": ["REPORT_NAME", "add_arguments", "build_view", "load_view", "render", "run",
                "write_report"],
-    "views.model": ["DASH", "NO_DATA", "Banner", "Figure", "ReportView", "RunView", "Section",
-                  "Table", "cap_rows", "figure", "fmt_ci", "fmt_int", "fmt_ms", "fmt_num",
-                  "fmt_pct", "fmt_rel", "fmt_wall", "label_column", "table"],
+    "views.model": ["DASH", "NO_DATA", "Banner", "Cell", "Figure", "ReportView", "RunView",
+                  "Section", "Table", "cap_rows", "comparison_why", "figure", "fmt_ci", "fmt_int",
+                  "fmt_ms", "fmt_num", "fmt_pct", "fmt_rel", "fmt_wall", "label_column",
+                  "quantile_why", "spread_why", "table"],
     "tables.runfiles": ["LIFECYCLE_EVENTS", "RUNTIME_EVENTS", "BundleInfo", "RunFiles",
                         "ServerScan", "redact"],
     "views.plots": ["BreakdownBar", "Line", "Panel", "breakdown_bars", "cdf_figure", "curve_figure",
-              "scatter_curve", "shaded_scatter", "timeseries_figure"],
-    "views.provenance": ["EXIT_MEANINGS", "banner", "plan_section", "provenance_section",
-                   "signature_section", "verdicts_section"],
+              "log_ticks", "scatter_curve", "shaded_scatter", "timeseries_figure"],
+    "views.provenance": ["BANNER_RULES", "EXIT_MEANINGS", "banner", "plan_section",
+                   "provenance_section", "signature_section", "verdicts_section"],
     "views.vendor": ["LEGACY_BANNER", "legacy_section", "vendor_section"],
     "views.endurance": ["endurance_section"],
     "views.conversations": ["SCATTER", "conversations_section"],
@@ -462,6 +463,8 @@ REPORT_API = {
                    "shapes"],
     "views.timelines": ["MAX_POINTS", "bucket", "device_section", "faults_section", "run_window",
                   "selfwatch_section", "server_section", "soak_section"],
+    "views.headline": ["MAX_CELLS", "headline_section"],
+    "views.overtime": ["overtime_section", "read_series"],
 }  # fmt: skip
 
 

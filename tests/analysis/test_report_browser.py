@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from analysis.analyze import analyze, write_outputs
 from analysis.judge.rules import DEFAULT_RULES
 from analysis.report import write_report
+from analysis.views.model import fmt_num
 from tests.analysis.test_report import CHROMEDRIVER, CHROMIUM, Page, banner_code
 from tests.analysis.test_report import check_self_contained as self_contained
 from tests.conftest import REPO
@@ -48,6 +51,9 @@ SLOWER_DECODE = ("--set", "timing.decode_base_ms=15.6")  # default 12.0 ms x 1.3
 INJECTED = "<script>document.title='pwned';window.__pwned=1</script>"
 LEAK = ("--set", "knobs.leak.fds_per_request=1", "--set",
         "knobs.leak.rss_bytes_per_request=262144")  # fmt: skip
+GOODPUT_TTFT_MS, GOODPUT_TPOT_MS = 2000.0, 100.0
+VIEWPORT = (1400, 900)  # the first screen a reader sees; every page is laid out in it
+ARTIFACTS = REPO / "build" / "test-artifacts"
 
 
 @dataclass
@@ -122,9 +128,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         assert soak.returncode == 1, soak_out.decode()[-3000:]
 
         # every default rule, except that this shared machine's own load must not make
-        # the run infrastructure-invalid (as in test_e2e.py)
+        # the run infrastructure-invalid (as in test_e2e.py); and goodput SLOs (reported,
+        # not judged: no min_share) so that the headline shows goodput
         rules = yaml.safe_load(DEFAULT_RULES.read_text())
         rules["infrastructure"]["max_saturated_fraction"] = None
+        goodput = next(r for r in rules["rules"] if r["kind"] == "goodput")
+        goodput.update(max_ttft_ms=GOODPUT_TTFT_MS, max_tpot_ms=GOODPUT_TPOT_MS)
         rules_path = tmp / "rules.yaml"
         rules_path.write_text(yaml.safe_dump(rules))
         codes = {"fault": fault.returncode, "soak": soak.returncode}
@@ -168,6 +177,11 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         options=opts, service=Service(executable_path=str(CHROMEDRIVER), log_output=str(log))
     )
     driver.set_page_load_timeout(30)
+    width, height = VIEWPORT
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+    )
     yield driver
     driver.quit()
 
@@ -206,6 +220,18 @@ def _open(browser: Any, run: Path, shot: Path) -> dict[str, Any]:
             if not url.startswith("file:"):
                 sent.append(url)
     assert sent == []  # only the report file itself was loaded
+    # every table fits the 1,400-px page (wrapping, never a scroll bar of its own), with
+    # its <details> open
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    wide = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.tablewrap'))"
+        ".filter(w => w.scrollWidth > w.clientWidth + 1)"
+        ".map(w => [w.querySelector('table').dataset.table, w.scrollWidth, w.clientWidth])"
+    )
+    assert wide == []
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= VIEWPORT[0]
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = false)")
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000
     return {
@@ -325,3 +351,48 @@ def test_a_script_the_server_sends_back_stays_inert(runs: Runs, browser: Any) ->
     assert browser.execute_script("return document.scripts.length") == 0
     shown = browser.execute_script("return document.getElementById('nonsuccess').textContent")
     assert INJECTED in shown  # shown as text (in a folded table), as the server sent it
+
+
+def test_the_first_screen_says_whether_it_passed_and_how_fast(runs: Runs, browser: Any) -> None:
+    """At 1,400 x 900 the first viewport holds the verdict and the whole headline table
+    (positions from the DOM); then come the latency-over-time charts; every axis reads in
+    plain numbers. The screenshot is kept in build/test-artifacts/."""
+    html = (runs.passing / "report.html").read_text()
+    page = self_contained(html)
+    headline = page.tables["headline"]
+    doc = json.loads((runs.passing / "verdict.json").read_text())
+    measured = [c for c in doc["cells"] if c["partition"] == "measured"]
+    assert len(headline) == len(measured) >= 1
+    (good,) = doc["goodput"]["cells"]
+    assert (good["max_ttft_ms"], good["max_tpot_ms"]) == (GOODPUT_TTFT_MS, GOODPUT_TPOT_MS)
+    row = headline[0]
+    assert row[0].startswith(good["cell"])
+    assert row[7].startswith(f"{fmt_num(good['goodput_rps'])}/s")
+    assert f"({good['good']:,} of {good['attempts']:,})" in row[7]
+    # what a missing interval lacks, in so many words: TTFT P99 rests on too few values
+    summary = pq.read_table(runs.passing / "summary.parquet").to_pylist()
+    ttft = next(r for r in summary if r["metric"] == "ttft_ms" and r["partition"] == "measured")
+    n = ttft["count"]
+    assert n < 368 and f"no upper bound: n\xa0=\xa0{n}\xa0<\xa0368]" in row[2], row[2]
+    seen = _open(browser, runs.passing, runs.tmp / "first-screen.png")
+    assert seen["sections"][:2] == ["headline", "overtime"]  # before the contents
+    rect = browser.execute_script(
+        "const r = e => { const b = document.querySelector(e).getBoundingClientRect();"
+        " return [b.top, b.bottom, b.left, b.right]; };"
+        " return {verdict: r('#verdict'), table: r('table[data-table=\"headline\"]'),"
+        " charts: r('figure[data-figure=\"overtime\"]'), height: window.innerHeight,"
+        " width: window.innerWidth}"
+    )
+    assert (rect["width"], rect["height"]) == VIEWPORT
+    assert rect["verdict"][0] == 0 and rect["verdict"][1] < rect["table"][0]
+    assert rect["table"][1] <= VIEWPORT[1] and rect["table"][3] <= VIEWPORT[0]
+    assert rect["charts"][0] >= rect["table"][1]  # the charts follow the table
+    # the charts: six panels, plain numbers on every axis (no ×10ⁿ, no offset)
+    figure = html[html.index('<figure data-figure="overtime"') :]
+    figure = figure[: figure.index("</figure>")]
+    for label in ("TTFT ms", "TPOT ms", "ITL ms", "output tokens/s", "requests in flight"):
+        assert label in figure, label
+    texts = re.findall(r"<text[^>]*>(.*?)</text>", html, re.S)  # every figure's text
+    assert texts and not [t for t in texts if "×" in t or "mathdefault" in t or "^" in t]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(runs.tmp / "first-screen.png", ARTIFACTS / "report-first-screen-1400x900.png")

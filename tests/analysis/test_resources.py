@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-from analysis.analyze import analyze
+from analysis.analyze import analyze, write_outputs
+from analysis.judge.verdict import render_summary
+from analysis.report import build_view
 from calculet_load.target.resources import parse_metrics
 from tests.analysis.runs import WALL0, RunBuilder, request
 
@@ -115,6 +117,11 @@ def test_kv_held_while_idle_fails_the_baseline(tmp_path: Path) -> None:
 def test_too_short_is_inconclusive_and_no_file_is_no_data(tmp_path: Path) -> None:
     short = analyze(_run(tmp_path / "s", rss_per_h=0, samples=10), rules_path=_rules(tmp_path))
     assert _verdicts(short)["leaks.rss_bytes"]["status"] == "inconclusive"
+    # a sample every 360 s: 21 bins of 360 s after a 10% warmup need 21·360/0.9 = 8,400 s
+    assert _verdicts(short)["leaks.rss_bytes"]["too_short"] == {
+        "need": "≥ 20 bins of resource samples",
+        "run_s": 8400.0,
+    }
     b = RunBuilder(tmp_path / "none")
     b.add(request("r0", t0=0))
     none = analyze(b.write(), rules_path=_rules(tmp_path))
@@ -171,3 +178,20 @@ def test_without_resources_jsonl_the_scrapes_are_read(tmp_path: Path) -> None:
     assert v["leaks.rss_bytes"]["status"] == "pass"
     assert result.document["leaks"]["series"]["rss_bytes"]["first"] == 500 * MB
     assert any("server/metrics.jsonl" in n for n in result.document["run"]["notes"])
+
+
+def test_rules_the_run_was_too_short_for_are_one_line(tmp_path: Path) -> None:
+    """The four gated series, each undecided for want of bins, are one line in analyze's
+    printout and in the report's banner, with how long a run would decide them; in wall
+    time, whatever the time scale (server seconds × the scale)."""
+    for name, scale in (("s", None), ("scaled", 0.5)):
+        run = _run(tmp_path / name, rss_per_h=0, samples=10, time_scale=scale)
+        result = analyze(run, rules_path=_rules(tmp_path))
+        text = render_summary(result.document)
+        line = "4 leak rules need ≥ 20 bins of resource samples: run ≥ 2.4 h"  # 8,400 s
+        assert f"  TOO SHORT    {line}" in text.splitlines()
+        assert "INCONCLUSIVE" not in text
+        write_outputs(result, run)
+        banner = build_view(run).banner
+        assert banner.too_short == (line,)
+        assert not [f for f in banner.failing if f[0].startswith("leaks.")]

@@ -44,6 +44,7 @@ def test_default_rules_are_valid_and_cover_section_14() -> None:
         "optimization",
         "throughput_gain",
         "batch",
+        "goodput",
         "capacity",
         "device_limits",
         "leaks",
@@ -65,6 +66,11 @@ def test_json_schema_file_is_current_and_validates_the_default() -> None:
     jsonschema.validate(_default(), schema)
 
 
+def _rule(data: dict[str, Any], rid: str) -> dict[str, Any]:
+    rule: dict[str, Any] = next(r for r in data["rules"] if r["id"] == rid)
+    return rule
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -83,6 +89,12 @@ def test_json_schema_file_is_current_and_validates_the_default() -> None:
         (lambda d: d["rules"][5].update(enabled=True), "rules[5](optimization): target.names"),
         (lambda d: d["rules"][5].update(typo=1), "rules[5](optimization).typo: Extra inputs"),
         (lambda d: d.pop("schema"), "x.yaml: schema: required field missing"),
+        (lambda d: _rule(d, "goodput").update(min_share=1.5),
+         "rules[10](goodput).min_share: Input should be less than or equal to 1"),
+        (lambda d: _rule(d, "capacity").update(goodput={"min_share": 0.9}),
+         "rules[11](capacity).goodput: set max_ttft_ms or max_tpot_ms"),
+        (lambda d: _rule(d, "capacity").update(goodput={"max_ttft_ms": 500}),
+         "rules[11](capacity).goodput.min_share: required field missing"),
     ],
 )  # fmt: skip
 def test_a_bad_rules_file_names_the_field(edit: Any, message: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.accept.capacity import SLA, _p99, load_sla
+from calculet_load.accept.capacity import SLA, GoodputSLA, _p99, load_sla
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO
@@ -85,6 +85,44 @@ def test_sla_file_and_options(tmp_path: Path) -> None:
         load_sla(str(path), {})
     assert _p99([float(x) for x in range(1, 101)]) == 100.0
     assert _p99([3.0]) == 3.0 and _p99([]) is None
+    path.write_text("sla: {goodput: {max_ttft_ms: 500, min_share: 0.95}}\n")
+    goodput = load_sla(str(path), {}).goodput
+    assert goodput == GoodputSLA(max_ttft_ms=500, min_share=0.95)
+    path.write_text("sla: {goodput: {min_share: 0.95}}\n")
+    with pytest.raises(ValueError, match=r"^sla\.goodput: set max_ttft_ms or max_tpot_ms"):
+        load_sla(str(path), {})
+
+
+def test_goodput_is_a_criterion_of_the_search(start_sim: StartSim, tmp_path: Path) -> None:
+    """With the SLA's goodput, a window whose requests all miss their TTFT objective is
+    not stable however well the queue holds, and one whose requests all meet it is: the
+    search counts a request good by the analysis' definition (through the door)."""
+    sim = start_sim("--time-scale", "0.1", faults=True)
+    env = {**os.environ, "CALCULET_ADMIN_TOKEN": ADMIN_TOKEN}
+    found = {}
+    for name, ttft_ms in (("unmet", 0.001), ("met", 600_000.0)):
+        sla = tmp_path / f"{name}.yaml"
+        sla.write_text(f"sla: {{goodput: {{max_ttft_ms: {ttft_ms}, min_share: 0.5}}}}\n")
+        run = tmp_path / name
+        cmd = [sys.executable, "-m", "calculet_load.cli", "capacity",
+               "--manifest", str(REPO / "configs" / "manifest.sim.yaml"), "--url", sim.url,
+               "--run-dir", str(run), "--start-rate", "2", "--max-rate", "2", "--window-s", "10",
+               "--prompt-tokens", "16", "--max-tokens", "4", "--sla", str(sla)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        doc = json.loads((run / "capacity.json").read_text())
+        found[name] = (proc.returncode, doc)
+    code, doc = found["unmet"]
+    assert code == 1 and doc["stable_max_qps"] is None  # no rate met it, down to 2/64
+    for w in doc["curve"]:
+        m = w["metrics"]
+        assert m["goodput_good"] == 0 and m["goodput_share"] == 0.0
+        assert any(r.startswith("goodput share 0.0% < 50.0%") for r in w["reasons"]), w
+    code, doc = found["met"]
+    assert code == 0 and doc["stable_max_qps"] == 2.0, doc["curve"]
+    (w,) = doc["curve"]
+    assert w["metrics"]["goodput_share"] >= 0.5 and w["metrics"]["goodput_good"] > 0
+    assert doc["sla"]["goodput"] == {"max_ttft_ms": 600000.0, "max_tpot_ms": None,
+                                     "min_share": 0.5}  # fmt: skip
 
 
 def test_time_scale_of_the_target(start_sim: StartSim) -> None:
