@@ -36,7 +36,7 @@ from analysis.tables.cellkey import CELL_FIELDS, CellKey
 from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.load import TokenParts
 from analysis.tables.quality import Partition, Reason
-from analysis.tables.tokens import EventSums, SteadyWindows, confirmed_scale, reduce_events
+from analysis.tables.tokens import EventSums, SteadyWindows, reduce_events, token_scale
 from calculet_load.schema.clocks import to_reference_ns
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "client_wall_span",
     "group_cells",
     "summarize_cells",
-    "token_scale",
 ]
 
 SUMMARY_PARTITIONS = (Partition.MEASURED, Partition.THROTTLED, Partition.WARMUP)
@@ -384,23 +383,6 @@ def _reduce(
     ids = table.column("request_id")
     scale = None if windows is None else token_scale(table, tokens, ids)
     return reduce_events(tokens, ids, group, n_groups, windows, scale)
-
-
-def token_scale(table: pa.Table, tokens: TokenParts, ids: Any) -> FloatArray:
-    """Per row, what its events' counts are scaled by to sum to its confirmed total,
-    `workload.actual_output_tokens` (the server's usage where it sent one, else the
-    chosen per-event source's sum: `ext.token_total_source`). The events' own sum is
-    `ext.client_output_tokens`, except in records written before the total's source was
-    (the column null): there a count that took the server's total in place of the
-    events' ("+usage_total") left it unrecorded, and it is summed from the events."""
-    confirmed, sums = (
-        _np(pc.cast(table.column(c), pa.float64()), np.float64, np.nan)
-        for c in ("workload.actual_output_tokens", "ext.client_output_tokens")
-    )
-    legacy = ~_valid(table.column("ext.token_total_source"))
-    source = _np(table.column("ext.token_count_source"), object, "").astype(str)
-    replaced = legacy & np.char.endswith(source, "+usage_total")
-    return confirmed_scale(tokens, ids, confirmed, np.where(replaced, np.nan, sums))
 
 
 def _group(table: pa.Table, cells: _Cells, itl: list[FloatArray]) -> list[CellData]:

@@ -48,12 +48,12 @@ import numpy as np
 import pyarrow as pa
 
 from analysis.stats.quantiles import PERCENTILE_METHOD, quantile, quantile_rank, window_tokens
-from analysis.tables.cells import client_wall_span, token_scale
+from analysis.tables.cells import client_wall_span
 from analysis.tables.columns import floats
 from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.load import TokenParts
 from analysis.tables.quality import Partition
-from analysis.tables.tokens import event_columns, itl_gaps, split_events
+from analysis.tables.tokens import event_columns, itl_gaps, split_events, token_scale
 from calculet_load.schema.clocks import to_reference_ns
 
 __all__ = [

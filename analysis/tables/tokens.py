@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 
 from analysis.errors import ArtifactError
 from analysis.stats.quantiles import THROUGHPUT_BATCHES
+from analysis.tables.columns import floats
 from analysis.tables.join import BoolArray, FloatArray, IntArray, positions
 from analysis.tables.load import TokenParts
 
@@ -51,6 +52,7 @@ __all__ = [
     "itl_gaps",
     "reduce_events",
     "split_events",
+    "token_scale",
 ]
 
 _IDX_BITS = 24  # event index bits of the (request row, event index) sort key
@@ -279,6 +281,25 @@ def reduce_events(
     # the parts' pages, freed, would stay with Arrow's allocator (~0.4 GB for 50 M events)
     pa.default_memory_pool().release_unused()
     return reduction.sums()
+
+
+def token_scale(table: pa.Table, tokens: TokenParts, ids: Any) -> FloatArray:
+    """Per row, what its events' counts are scaled by to sum to its confirmed total,
+    `workload.actual_output_tokens` (the server's usage where it sent one, else the
+    chosen per-event source's sum: `ext.token_total_source`). The events' own sum is
+    `ext.client_output_tokens`, except in records written before the total's source was
+    (the column null): there a count that took the server's total in place of the
+    events' ("+usage_total") left it unrecorded, and it is summed from the events."""
+    confirmed = floats(table, "workload.actual_output_tokens")
+    sums = floats(table, "ext.client_output_tokens")
+    legacy = np.asarray(
+        pc.is_null(table.column("ext.token_total_source")).to_numpy(zero_copy_only=False),
+        dtype=bool,
+    )
+    source = pc.fill_null(table.column("ext.token_count_source"), "")
+    ends = pc.ends_with(source, "+usage_total").to_numpy(zero_copy_only=False)
+    replaced = legacy & np.asarray(ends, dtype=bool)
+    return confirmed_scale(tokens, ids, confirmed, np.where(replaced, np.nan, sums))
 
 
 def confirmed_scale(

@@ -130,7 +130,6 @@ PIPELINE_API = {
         "client_wall_span",
         "group_cells",
         "summarize_cells",
-        "token_scale",
     ],
     "cli": ["add_arguments", "add_import_legacy", "analyze_run", "run", "run_import_legacy"],
     "judge.comparisons": ["HANDLERS", "NO_BASELINE"],
@@ -294,6 +293,7 @@ PIPELINE_API = {
         "itl_gaps",
         "reduce_events",
         "split_events",
+        "token_scale",
     ],
 }
 

@@ -20,6 +20,8 @@ import pyarrow.csv as pa_csv
 import pytest
 import yaml
 
+from analysis.tables.join import load_run
+from analysis.tables.quality import apply_quality
 from calculet_load.cli import main
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import (
@@ -286,12 +288,22 @@ def test_output_tokens_and_tokens_per_s_are_the_servers_usage_totals(
     capsys.readouterr()
     rows = pa_csv.read_csv(run.run_dir / "summary.csv").to_pylist()  # a row per metric
     (summary,) = {(r["cell"], r["partition"]): r for r in rows}.values()
-    assert summary["ok"] == done.num_rows
-    assert summary["output_tokens"] == sum(usage)
+    # the summary's successes: those of its partition (on a busy machine the client's
+    # self-watch may set some aside as saturated: they are summarized nowhere)
+    joined, _ = apply_quality(load_run(str(run.run_dir)))
+    part = dict(zip(joined.column("request_id").to_pylist(),
+                    joined.column("quality.partition").to_pylist(), strict=True))  # fmt: skip
+    kept = pa.array(
+        [part[r] == summary["partition"] for r in done.column("request_id").to_pylist()]
+    )
+    summed = done.filter(kept)
+    assert summed.num_rows >= done.num_rows // 2, (summed.num_rows, done.num_rows)
+    assert summary["ok"] == summed.num_rows
+    assert summary["output_tokens"] == sum(summed.column("ext.server_output_tokens").to_pylist())
     # tokens/s from the usage totals: each request's usage spread over its events in
     # proportion to their counts, those in [first start, last end) on the wall clock
     assert summary["steady_output_tokens_per_s"] == pytest.approx(
-        _tokens_per_s_of_usage(done, run.token_events()), rel=1e-9
+        _tokens_per_s_of_usage(summed, run.token_events()), rel=1e-9
     )
     # the figures of docs/performance.md (pytest -s shows them)
     print(f"{len(usage)} requests: usage {sum(usage)}, per-event counts {sum(events)}")

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pytest
 from aiohttp import web
 
+from calculet_load.measure.preflight import REQUEST_ID as PREFLIGHT_ID
 from tests.load.locustproc import LocustRun
 from tests.simproc import SimProcess
 
@@ -77,7 +78,12 @@ class RewritingProxy:
         async with self._client.request(
             request.method, self.upstream + request.path_qs, data=body, headers=headers
         ) as up:
-            if request.path != "/completion" or "text/event-stream" not in up.content_type:
+            start_check = request.headers.get("X-Request-Id") == PREFLIGHT_ID  # not a record
+            if (
+                request.path != "/completion"
+                or "text/event-stream" not in up.content_type
+                or start_check
+            ):
                 data = await up.read()
                 return web.Response(status=up.status, body=data, content_type=up.content_type)
             self.completions += 1
