@@ -69,9 +69,7 @@ def _send(access: TargetAccess, adapter: Adapter, body: dict[str, Any]) -> Outco
     pool = ConnectionPool(Endpoint(access), 1)
     try:
         return run_in_greenlet(
-            lambda: execute(
-                pool, adapter, body, REQUEST_ID, stream=True, timeouts=TIMEOUTS
-            )
+            lambda: execute(pool, adapter, body, REQUEST_ID, stream=True, timeouts=TIMEOUTS)
         )
     finally:
         pool.close()
