@@ -507,6 +507,15 @@ def assert_export_is_joined(run_dir: Path) -> None:
     assert f"{len(records)} records written; {joined} of {len(records)} joined" in res.stderr
 
 
+def test_the_demo_slows_its_simulator_as_other_processes_take_the_cores() -> None:
+    from calculet_load.commands.demo import MAX_TIME_SCALE, TIME_SCALE, size_time_scale
+
+    assert size_time_scale(2.0) == size_time_scale(1.8) == TIME_SCALE
+    assert size_time_scale(0.9) == 0.1  # one core busy: the device runs half as fast
+    assert TIME_SCALE < size_time_scale(1.2) < size_time_scale(0.6) < MAX_TIME_SCALE
+    assert size_time_scale(0.0) == MAX_TIME_SCALE
+
+
 @pytest.mark.parametrize(("broken", "expected"), [(None, 0), ("nan", 1)])
 def test_the_demo_ends_with_a_signed_report(
     broken: str | None, expected: int, tmp_path: Path, procs: list[subprocess.Popen[Any]]
@@ -542,6 +551,7 @@ def test_the_demo_ends_with_a_signed_report(
     assert proc.returncode == expected, out
     (run_dir,) = [p for p in runs.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert f"run folder: {run_dir}" in out
+    assert "load:" not in out  # a given --time-scale is kept: no sizing
     assert f"exit {expected}: " in out
     if (run_dir / "report.html").exists():  # analysis/report.py may not be in this build
         assert f"report:     {(run_dir / 'report.html').resolve()}" in out
