@@ -1,8 +1,10 @@
 # size: the gevent engine: endpoint, pool, reads and the request's steps
 """The timed streaming client on gevent sockets (the default I/O engine; measure.engine
-is the other, a dedicated thread). Both share measure.response: the error taxonomy, the
-per-request state, the response read (h11 for the head, measure.chunked, measure.sse)
-and the outcome's checks; this module does the waiting.
+is the other, a dedicated thread). Both share the error taxonomy and the outcome
+(measure.outcome), the per-request state and the outcome's checks
+(measure.request_state), the stamps' bookkeeping (measure.rxstamps) and the response
+read (measure.exchange: h11 for the head, measure.chunked, measure.sse); this module
+does the waiting.
 
 Stamps are taken when bytes leave or arrive: t1 the kernel's transmit time of the
 request's last byte on a plain connection (measure.txstamps; else when it is fully
@@ -36,9 +38,8 @@ from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.protocols import Adapter
-from calculet_load.measure.response import (
-    CMSG_SPACE,
+from calculet_load.measure.exchange import prepare, respond, wire
+from calculet_load.measure.outcome import (
     ERROR_CLASSES,
     OUTPUT_SLACK_TOKENS,
     CancelAt,
@@ -46,18 +47,14 @@ from calculet_load.measure.response import (
     OnToken,
     Outcome,
     PoolExhausted,
-    Reads,
-    Run,
     Timeouts,
-    ask_kernel_stamps,
-    conclude,
     connect_fail,
     fail_into,
-    prepare,
-    respond,
     run_stopped,
-    wire,
 )
+from calculet_load.measure.protocols import Adapter
+from calculet_load.measure.request_state import Run, conclude
+from calculet_load.measure.rxstamps import CMSG_SPACE, Reads, ask_kernel_stamps
 from calculet_load.measure.txstamps import (
     Counted,
     TxStamps,

@@ -7,8 +7,8 @@ the gevent hub: the engine wakes it through the hub's thread-safe async watcher.
 timing-critical work (connect, send at the intended time with `loop.call_at`, each read
 and its stamp) is never held up by the greenlets' work (records, sinks, Locust events).
 
-Everything but the waiting is measure.response's, as for the gevent engine
-(measure.client): the same outcome, stamps, counts, errors and retries. Reads are driven
+Everything but the waiting is shared with the gevent engine (measure.client: its
+docstring names the modules): the same outcome, stamps, counts, errors and retries. Reads are driven
 by the socket's readiness (the native reader's thread, or `add_reader`): with the system
 clock each read carries the kernel's receive time (SO_TIMESTAMPNS, `stamp_source`
 "kernel"), over TLS too (its records come in plain reads: measure.biotls), and where the
@@ -42,27 +42,22 @@ from gevent.monkey import get_original
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.measure.biotls import BioTLS
 from calculet_load.measure.client import ConnectionPool, Endpoint, connect_now, stale
-from calculet_load.measure.protocols import Adapter
-from calculet_load.measure.response import (
-    CMSG_SPACE,
+from calculet_load.measure.exchange import prepare, respond, wire
+from calculet_load.measure.outcome import (
     OUTPUT_SLACK_TOKENS,
     CancelAt,
     Fail,
     OnToken,
     Outcome,
     PoolExhausted,
-    Reads,
-    Run,
     Timeouts,
-    ask_kernel_stamps,
-    conclude,
     connect_fail,
     fail_into,
-    prepare,
-    respond,
     run_stopped,
-    wire,
 )
+from calculet_load.measure.protocols import Adapter
+from calculet_load.measure.request_state import Run, conclude
+from calculet_load.measure.rxstamps import CMSG_SPACE, Reads, ask_kernel_stamps
 from calculet_load.measure.threads import ENGINE_THREAD, READER_THREAD, name_this_thread
 from calculet_load.measure.txstamps import (
     Counted,

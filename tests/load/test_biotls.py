@@ -21,14 +21,9 @@ import pytest
 from calculet_load.measure.biotls import BioTLS
 from calculet_load.measure.client import Endpoint, run_in_greenlet
 from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import (
-    CMSG_SPACE,
-    Outcome,
-    Timeouts,
-    ask_kernel_stamps,
-    kernel_ns,
-)
+from calculet_load.measure.rxstamps import CMSG_SPACE, ask_kernel_stamps, kernel_ns
 from calculet_load.schema.access import TargetAccess
 from tests.load.tlsproxy import Pki, make_pki
 
@@ -213,7 +208,7 @@ def test_a_record_read_late_carries_its_arrival_time(pki: Pki) -> None:
 
 
 def test_the_engine_reads_a_large_body_left_in_the_tls_buffers(pki: Pki) -> None:
-    """A read takes at most 256 KiB of plaintext (measure.response `tls_drain`); what the
+    """A read takes at most 256 KiB of plaintext (measure.rxstamps `tls_drain`); what the
     TLS object already holds then is announced by no readiness of the socket when the
     whole response has arrived. The engine reads it at once (it looks at `pending()`
     after each read), rather than waiting for the idle timeout: bodies around that size

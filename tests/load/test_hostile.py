@@ -42,9 +42,9 @@ from calculet_load.measure.client import (
     run_in_greenlet,
 )
 from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure.exchange import prepare, wire
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import prepare, wire
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
@@ -1295,7 +1295,7 @@ def test_non_stream_hostile_body(proto: str, body: bytes, error_class: str) -> N
     failed(out, error_class, 7 if error_class == "nonfinite_number" else 0)
 
 
-# --- values a record must never be lost to (issue 15) ----------------------------------------
+# --- values a record must never be lost to -------------------------------------------------
 
 
 def test_an_out_of_range_count_keeps_its_raw_value_as_bounded_text() -> None:

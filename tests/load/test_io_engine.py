@@ -22,8 +22,8 @@ import pytest
 
 from calculet_load.locust.accuracy import Accuracy
 from calculet_load.measure import engine
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt
-from calculet_load.measure.response import Outcome
 from calculet_load.measure.session import RequestSpec, RunContext, Session, turnaround
 from calculet_load.measure.sink import PartSink
 from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 # the bound leaves room for a suite running beside it.
 TOKEN_DELAY_MS = 50.0
 # The kernel's receive time is CLOCK_REALTIME moved onto the monotonic clock by two
-# readings at most 20 µs apart (measure/response.py: clock_pair): the arrival may seem to
+# readings at most 20 µs apart (measure/rxstamps.py: clock_pair): the arrival may seem to
 # precede the start of the server's write by that much.
 CLOCK_MOVE_MS = 1.0
 

@@ -1,4 +1,4 @@
-"""Stamps from the kernel's receive time (issue 18): a busy client loop does not make them late.
+"""Stamps from the kernel's receive time: a busy client loop does not make them late.
 
 A plain-socket server in a thread sends one SSE event at a known monotonic instant while
 the client's gevent loop is blocked (a greenlet sleeps without yielding, as a loop busy
@@ -180,7 +180,7 @@ def test_the_clock_pair_is_read_again_when_the_thread_was_preempted_between() ->
     stamp earlier by the preemption. `clock_pair` sees the monotonic clock move past
     PAIR_NS across the wall read and reads the pair again (measure/reader.c does the
     same in C)."""
-    from calculet_load.measure.response import PAIR_NS, clock_pair
+    from calculet_load.measure.rxstamps import PAIR_NS, clock_pair
 
     preempted = _PreemptedOnce(gap_ns=5_000_000)
     assert PAIR_NS < 5_000_000

@@ -17,8 +17,8 @@ import pytest
 from calculet_load.measure import engine as engine_module
 from calculet_load.measure.client import ConnectionPool, Endpoint, execute, run_in_greenlet
 from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure.outcome import StreamCancel
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import StreamCancel
 from calculet_load.schema.records import TokenEvent
 from tests.load.hostile import Until, serve
 from tests.load.test_hostile import CHUNKED_HEAD, DONE, PATIENT, chat_event, chunk, llama_event

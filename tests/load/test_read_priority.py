@@ -24,8 +24,8 @@ import pytest
 from calculet_load.measure import engine
 from calculet_load.measure.client import Endpoint, run_in_greenlet
 from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import Outcome, Timeouts
 from tests.load.hostile import CLOSE, serve
 from tests.load.test_hostile import PATIENT, SHORT_LLAMA, http
 

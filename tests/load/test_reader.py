@@ -23,7 +23,7 @@ from calculet_load.measure import native
 from calculet_load.measure.client import Endpoint, run_in_greenlet
 from calculet_load.measure.engine import EnginePool, IoEngine, execute_threaded
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import ask_kernel_stamps, kernel_wall_ns
+from calculet_load.measure.rxstamps import ask_kernel_stamps, kernel_wall_ns
 from calculet_load.measure.threads import READER_THREAD
 from tests.load.hostile import Sleep, serve
 from tests.load.test_hostile import CHUNKED_HEAD, PATIENT, chunk, llama_event
