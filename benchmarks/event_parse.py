@@ -137,13 +137,14 @@ def engine_alone(
 ) -> float:
     """The engine thread's CPU per request (µs) over the steady middle of a run of
     `tokens`-token responses."""
-    from calculet_load.measure.client import Endpoint
-    from calculet_load.measure.engine import EnginePool, IoEngine, _execute, _Job
+    from calculet_load.measure.connections import Endpoint
     from calculet_load.measure.exchange import prepare
+    from calculet_load.measure.thread_engine import ThreadPool, _execute, _Job
+    from calculet_load.measure.thread_loop import LoopThread
 
     a = adapter(proto, fast)
-    engine = IoEngine.shared()
-    pool = EnginePool(Endpoint(url), 4096, engine)
+    engine = LoopThread.shared()
+    pool = ThreadPool(Endpoint(url), 4096, engine)
     pool.endpoint.address()
     body = a.body("w " * 128, tokens, stream=True, model=None, temperature=0.0, seed=None,
                   ignore_eos=True)  # fmt: skip

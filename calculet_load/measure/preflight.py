@@ -17,14 +17,10 @@ from typing import Any
 
 import gevent
 
-from calculet_load.measure.client import (
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import Adapter, adapter_for
 from calculet_load.schema.access import TargetAccess
 
@@ -65,11 +61,11 @@ class Preflight:
 
 
 def _send(access: TargetAccess, adapter: Adapter, body: dict[str, Any]) -> Outcome:
-    pool = ConnectionPool(Endpoint(access), 1)
+    pool = GeventPool(Endpoint(access), 1)
     try:
         return run_in_greenlet(
-            lambda: execute(
-                pool, adapter, body, "calculet-preflight", stream=True, timeouts=TIMEOUTS
+            lambda: pool.execute(
+                adapter, body, "calculet-preflight", stream=True, timeouts=TIMEOUTS
             )
         )
     finally:

@@ -136,8 +136,8 @@ def tls_drain(sock: ssl.SSLSocket, data: bytes) -> tuple[bytes, bool]:
     return (b"".join(chunks) if len(chunks) > 1 else data), closed
 
 
-# Both engines' reads (measure.client, measure.engine) subclass it, and stay interpreted
-# when this module is compiled (measure.native).
+# Both engines' reads (measure.gevent_engine, measure.thread_reads) subclass it, and
+# stay interpreted when this module is compiled (measure.native).
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Reads:
     """The bookkeeping of one response's reads, whichever engine reads: which timeout
@@ -162,7 +162,7 @@ class Reads:
         self.eof = False
         self.stamps = stamps  # reads carry the kernel's receive time
         # `respond` reads an event stream's chunked body (`_chunked`): its end is the last
-        # chunk's CRLF CRLF (the thread engine's native reads wait for it: measure.engine)
+        # chunk's CRLF CRLF (the thread engine's native reads wait for it: measure.thread_reads)
         self.chunked = False
 
     def limit(self, now: int) -> tuple[float, str]:
@@ -193,7 +193,7 @@ class Reads:
         classify): (the bytes, whether the peer closed after them, when the read returned,
         the bytes' kernel receive time or None, when the read before returned). What the
         bytes mean is `took`'s and the parser's, now or later (the thread engine parses
-        after the reads waiting when its loop is late: measure.engine)."""
+        after the reads waiting when its loop is late: measure.thread_reads)."""
         prev, start, before = self._bounds()
         kernel = None
         if self.stamps and not tls:
@@ -229,7 +229,7 @@ class Reads:
     def native_read(
         self, data: bytes, t: int, wall: int, stamp: int
     ) -> tuple[bytes, bool, int, int | None, int]:
-        """`stamped_read` of a read another thread made (measure.engine's native reads):
+        """`stamped_read` of a read another thread made (measure.thread_reads' native reads):
         its bytes, when it returned (`t`, monotonic; `wall`, the wall clock read right
         after) and the kernel's receive time of its bytes (`stamp`, CLOCK_REALTIME ns, or
         -1). Reads are given in the order they were made."""

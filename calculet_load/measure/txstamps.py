@@ -169,7 +169,7 @@ def _unsent(sock: Any) -> int:
 
 def tx_on(sock: Any, on: bool) -> None:
     """Have a connection's sends stamped, or not (from its next send): the thread engine
-    keeps them to the requests its native reader reads (measure.engine `_wait_io` says
+    keeps them to the requests its native reader reads (measure.thread_engine `_wait_io` says
     why). The bytes are counted either way."""
     raw = raw_of(sock)
     tx: TxStamps | None = getattr(raw, "tx", None)

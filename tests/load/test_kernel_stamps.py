@@ -17,14 +17,10 @@ import gevent
 import pytest
 
 from calculet_load.clock import FakeClock
-from calculet_load.measure.client import (
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
 
 FIRST_AT_S = 0.10  # the first event, after the request was read
@@ -87,7 +83,7 @@ class OneShot:
 
 
 def _request(port: int, clock: FakeClock | None = None) -> Outcome:
-    pool = ConnectionPool(Endpoint(f"http://127.0.0.1:{port}"), 1)
+    pool = GeventPool(Endpoint(f"http://127.0.0.1:{port}"), 1)
     adapter = adapter_for("openai-completions")
     body = adapter.body([1, 2, 3], 2, stream=True, model=None, temperature=0.0, seed=None,
                         ignore_eos=True)  # fmt: skip
@@ -99,7 +95,7 @@ def _request(port: int, clock: FakeClock | None = None) -> Outcome:
     def send() -> Outcome:
         blocker = gevent.spawn(busy)
         kw = {"clock": clock} if clock is not None else {}
-        out = execute(pool, adapter, body, "ks-1", stream=True, timeouts=Timeouts(), **kw)
+        out = pool.execute(adapter, body, "ks-1", stream=True, timeouts=Timeouts(), **kw)
         blocker.join()
         pool.close()
         return out

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from calculet_load.cli import main
-from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Timeouts
 from calculet_load.measure.prompts import (
     LocalTokenizer,
     PromptFactory,

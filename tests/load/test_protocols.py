@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from calculet_load.measure.client import Endpoint
+from calculet_load.measure.connections import Endpoint
 from calculet_load.measure.exchange import prepare
 from calculet_load.measure.protocols import CountState, ProtocolError, adapter_for
 
