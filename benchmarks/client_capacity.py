@@ -56,7 +56,7 @@ from timing_accuracy import (
     warm_up,
 )
 
-from calculet_load.measure.client import Outcome
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
 from calculet_load.measure.session import RequestSpec, RunContext, make_record
 from calculet_load.measure.sink import PartSink

@@ -1,5 +1,5 @@
 """Speed per worker core: calculet-load's Locust user against a reference client, on a
-server whose true timings are known exactly (issue 18).
+server whose true timings are known exactly.
 
 The server (benchmarks/exact_server.py: OpenAI /v1/completions SSE, TTFT 50 ms, a token
 every 10 ms, 64 one-word tokens, 128-token prompts, keep-alive) runs pinned to core 1 and
@@ -32,7 +32,8 @@ client's CPU (% of its core and µs per request, over the steady middle of the p
 CPU per request as a ratio to the reference's at the same point of this run, and the
 verdict. Truth: TTFT = first token's write − request read; ITL = gap between writes;
 TPOT = (last − first write)/(n − 1), all on the server's monotonic clock. At the end,
-per calculet-load client, issue 18's targets judged on this run's points (`target_lines`).
+per calculet-load client, the client's speed targets judged on this run's points
+(`target_lines`).
 
 Usage:
   .venv/bin/python benchmarks/client_speed.py                   # the full sweep (~10 min)
@@ -73,8 +74,8 @@ from peers import (
 from speedkit import CpuWindow, ExactServer, Point, errors, quantiles, taskset, truth_figures
 
 from calculet_load.measure import native
-from calculet_load.measure.engine import (
-    DEFAULT_IO_ENGINE,
+from calculet_load.measure.io_engines import DEFAULT_IO_ENGINE
+from calculet_load.measure.thread_loop import (
     NATIVE_READS_ENV,
     READ_COALESCE_ENV,
     READ_COALESCE_US,
@@ -445,7 +446,7 @@ def _check(points: list[Point], key: str, limit: float, what: str, upto: float) 
 
 
 def target_lines(points: list[Point]) -> list[str]:
-    """Issue 18's targets for one calculet-load client, judged on this run's points."""
+    """The speed targets for one calculet-load client, judged on this run's points."""
     poisson = [p for p in points if p.mode == "poisson"]
     closed = [p for p in points if p.mode == "closed"]
     lines = [
@@ -621,7 +622,7 @@ def main() -> None:
     for line in compare_lines(points, "calculet", "baseline", "this tree"):
         print(line)
     for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
-        print(f"  {name} against issue 18's targets, in this run:")
+        print(f"  {name} against the speed targets, in this run:")
         for line in target_lines([p for p in points if p.client == name]):
             print(f"    {line}")
     floor = [p.cpu_ratio for p in points if p.client == "floor" and math.isfinite(p.cpu_ratio)]

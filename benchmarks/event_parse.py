@@ -2,7 +2,7 @@
 
 Part 1 (no server): a 64-token streamed response of each protocol (OpenAI completions,
 chat, llama.cpp; the shape benchmarks/exact_server.py and llama.cpp send: one event per
-chunk, one read per chunk) is fed through `measure.response.respond` as an engine feeds
+chunk, one read per chunk) is fed through `measure.exchange.respond` as an engine feeds
 it, many times over, with the adapters' fast path on (`_chunked`'s plain chunks,
 `Adapter.fast_event`) and off (the general path only: ChunkedDecoder, SSEParser, `json`
 and the adapter's checks). It prints µs per event of each, and their ratio: the general
@@ -41,8 +41,11 @@ from speedkit import ExactServer  # this folder's: the exact server, started and
 
 from calculet_load.clock import SystemClock
 from calculet_load.measure import native
+from calculet_load.measure.exchange import respond, wire
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import Adapter, LlamaAdapter, OpenAIAdapter
-from calculet_load.measure.response import Outcome, Reads, Run, Timeouts, conclude, respond, wire
+from calculet_load.measure.request_state import Run, conclude
+from calculet_load.measure.rxstamps import Reads
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 PROTOCOLS = ("openai-completions", "openai-chat", "llama")
@@ -134,13 +137,14 @@ def engine_alone(
 ) -> float:
     """The engine thread's CPU per request (µs) over the steady middle of a run of
     `tokens`-token responses."""
-    from calculet_load.measure.client import Endpoint
-    from calculet_load.measure.engine import EnginePool, IoEngine, _execute, _Job
-    from calculet_load.measure.response import prepare
+    from calculet_load.measure.connections import Endpoint
+    from calculet_load.measure.exchange import prepare
+    from calculet_load.measure.thread_engine import ThreadPool, _execute, _Job
+    from calculet_load.measure.thread_loop import LoopThread
 
     a = adapter(proto, fast)
-    engine = IoEngine.shared()
-    pool = EnginePool(Endpoint(url), 4096, engine)
+    engine = LoopThread.shared()
+    pool = ThreadPool(Endpoint(url), 4096, engine)
     pool.endpoint.address()
     body = a.body("w " * 128, tokens, stream=True, model=None, temperature=0.0, seed=None,
                   ignore_eos=True)  # fmt: skip

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 # Linux: the kernel's receive time of each read (CLOCK_REALTIME), as calculet-load asks
-# for it (calculet_load.measure.response), not imported: this client stands alone.
+# for it (calculet_load.measure.rxstamps), not imported: this client stands alone.
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 TIMESPEC = struct.Struct("@ll")
 CMSG_SPACE = socket.CMSG_SPACE(TIMESPEC.size)

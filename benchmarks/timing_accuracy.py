@@ -32,7 +32,8 @@ from typing import Any
 import gevent
 from speedkit import start_sim, stop_child  # this folder's
 
-from calculet_load.measure.client import Outcome, Timeouts, run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sse import SSEParser

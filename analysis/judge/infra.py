@@ -189,7 +189,7 @@ def _send_lag(ev: Evidence, limit: float | None, rid: str) -> RuleVerdict:
     lag = t.column("ext.send_lag_ms")
     open_loop = pc.and_(pc.is_valid(lag), pc.invert(pc.fill_null(t.column("ext.dropped"), False)))
     # A stale retry (the kept-alive connection was closed or reset under the request:
-    # measure.client) was first sent on schedule; its send is timed from the retry, so
+    # measure.connections `stale`) was first sent on schedule; its send is timed from the retry, so
     # its lag is the dead connection's wait (a server that restarted), not the client's.
     retry = pc.fill_null(t.column("ext.stale_retry"), False)
     retries = int(pc.sum(pc.and_(open_loop, retry).cast("int64")).as_py() or 0)

@@ -49,7 +49,7 @@ from calculet_load.doors import AnalysisDoor
 from calculet_load.drive.client import RunClient
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.session import RequestSpec
 from calculet_load.ranges import (
     COUNT,

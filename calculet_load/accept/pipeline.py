@@ -62,7 +62,7 @@ from calculet_load.errors import (
     EXIT_OK,
     RunStop,
 )
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.session import RequestSpec, golden_spec
 from calculet_load.schema.manifest import ManifestError, RunManifest, load_manifest

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Timeouts
 from calculet_load.measure.prompts import WorkloadError, target_prompts
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink, SinkStats, sink_status

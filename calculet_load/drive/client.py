@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from calculet_load.drive.target import RunTarget
-from calculet_load.measure.client import Timeouts
 from calculet_load.measure.heap import PACER
+from calculet_load.measure.outcome import Timeouts
 from calculet_load.measure.prompts import Prompt, PromptBook, PromptFactory, target_prompts
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RunContext, Session

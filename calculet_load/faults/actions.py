@@ -35,7 +35,7 @@ from calculet_load.faults.spec import (
     WaitEvent,
     WaitState,
 )
-from calculet_load.measure.client import Outcome
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RequestSpec
 

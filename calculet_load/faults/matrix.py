@@ -77,7 +77,8 @@ from calculet_load.faults.maintenance import (
 )
 from calculet_load.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
 from calculet_load.faults.spec import FaultScenario, FaultSpecError, load_scenarios
-from calculet_load.measure.client import Outcome, run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.session import RequestSpec, Session, golden_spec
 from calculet_load.ranges import SCALE, SECONDS

@@ -1,9 +1,9 @@
-"""The client's self-check (issue 18): did this client keep up with its load, per cell?
+"""The client's self-check: did this client keep up with its load, per cell?
 
 Three figures per cell tell how far off a process's timings can be, from its own records:
 
     late_bound_under_lag_ms
-                   with kernel stamps (calculet_load.measure.client), the most a
+                   with kernel stamps (calculet_load.measure.rxstamps), the most a
                    request's first-token stamp (TTFT) can be late (ext.stamp_late_bound_ms:
                    its first token shared a read with later bytes, and arrived after the
                    read before returned), counted where a self-watch sample covering the
@@ -30,7 +30,7 @@ Three figures per cell tell how far off a process's timings can be, from its own
                    duration from t0 (TTFT) would carry and neither figure above sees.
                    Both engines wait on their loop only when the kernel has not
                    connected the socket by the time `connect` returns (on loopback and on
-                   the same host it usually has: measure.client.connect_now); a connect
+                   the same host it usually has: measure.connections.connect_now); a connect
                    that waits, a TLS handshake (its round trips) and a process's first
                    name lookup keep the loop's lag in noticing them inside `connect_ms`,
                    where this figure does not see it

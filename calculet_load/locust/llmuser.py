@@ -45,7 +45,7 @@ from locust.user.task import TaskSet
 
 from calculet_load.locust.state import STATE
 from calculet_load.locust.worker import OPEN_LOOP, Worker
-from calculet_load.measure.response import StreamCancel
+from calculet_load.measure.outcome import StreamCancel
 from calculet_load.measure.result import LLMResult
 from calculet_load.schema.records import TokenEvent
 from calculet_load.workload.calls import Labels, Messages

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from calculet_load.locust.accuracy import BUDGET_MS
-from calculet_load.measure.engine import DEFAULT_IO_ENGINE, IO_ENGINES
+from calculet_load.measure.io_engines import DEFAULT_IO_ENGINE, IO_ENGINES
 from calculet_load.measure.prompts import MAX_CONTEXT
 from calculet_load.ranges import Number
 from calculet_load.schema.access import add_access_arguments
@@ -85,7 +85,7 @@ OPTIONS: tuple[Option, ...] = (
         help="the run's timing budget: a cell whose read wait or send lag P99 passes it is "
         "named and the run exits 3"), _num(float, 0, 3_600_000, True)),
     Option(("--io-engine",), dict(
-        choices=IO_ENGINES, default=DEFAULT_IO_ENGINE, env_var="LOCUST_IO_ENGINE",
+        choices=tuple(IO_ENGINES), default=DEFAULT_IO_ENGINE, env_var="LOCUST_IO_ENGINE",
         help="where the timing-critical socket I/O runs: thread (the default: one "
         "asyncio/uvloop thread per worker process, sending each open-loop arrival at its "
         "intended time) or gevent (the users' greenlets); docs/measurement.md")),

@@ -11,7 +11,7 @@ itself, the same in a patched process and an unpatched one.
 Its reads of the socket can carry the kernel's receive time (`cmsg_space`: recvmsg with
 SO_TIMESTAMPNS asked for on the socket): `take_stamp` gives the control messages of the
 last read that brought bytes, so the plaintext those bytes completed is stamped with
-their arrival, as a plain connection's reads are (measure.response `Reads.receive`).
+their arrival, as a plain connection's reads are (measure.rxstamps `Reads.receive`).
 Or another reads the socket (the thread engine's native reader, with the kernel's time
 of each read) and hands the bytes to `feed`, which gives the plaintext they completed:
 either way a plaintext byte's stamp is the arrival of the last TLS bytes of its record.
@@ -61,7 +61,7 @@ class BioTLS:
     def close(self) -> None:
         self.sock.close()
 
-    # tls_drain (measure.response) sets a zero timeout around its reads: these never wait
+    # tls_drain (measure.rxstamps) sets a zero timeout around its reads: these never wait
     def gettimeout(self) -> float:
         return 0.0
 

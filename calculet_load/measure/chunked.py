@@ -1,4 +1,4 @@
-"""HTTP/1.1 chunked transfer decoding for the client's event streams (measure.client
+"""HTTP/1.1 chunked transfer decoding for the client's event streams (measure.exchange
 reads a chunked body with this instead of h11 past the response head: one pass over the
 bytes, no per-chunk event objects). Pure: no I/O, no clock."""
 

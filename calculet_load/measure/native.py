@@ -37,7 +37,7 @@ from pathlib import Path
 # The modules compiled, in calculet_load.measure (those a response's reads go through);
 # the rest stay as they are. Their msgspec Structs live in measure.fastshapes: msgspec
 # builds each with a metaclass of its own, which compiled classes cannot have.
-NATIVE_MODULES = ("chunked", "sse", "response", "protocols")
+NATIVE_MODULES = ("chunked", "sse", "protocols", "outcome", "request_state", "rxstamps", "exchange")
 # their sources, as paths from the project's root (mypyc names modules by them)
 NATIVE_SOURCES = tuple(f"calculet_load/measure/{name}.py" for name in NATIVE_MODULES)
 # C sources built beside them: the native reader the thread engine reads plain sockets

@@ -17,18 +17,14 @@ from typing import Any
 
 import gevent
 
-from calculet_load.measure.client import (
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import Adapter, adapter_for
 from calculet_load.schema.access import TargetAccess
 
-REQUEST_ID = "calculet-preflight"  # its X-Request-Id: a proxy or a server can tell it apart
+REQUEST_ID = REQUEST_ID  # its X-Request-Id: a proxy or a server can tell it apart
 TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=30.0, idle_s=30.0, total_s=60.0)
 # What an answer that is not an LLM endpoint's means of the target, by error class. An
 # HTTP error with a JSON error body ({"error": ...}) is an LLM server's answer (a model it
@@ -66,10 +62,12 @@ class Preflight:
 
 
 def _send(access: TargetAccess, adapter: Adapter, body: dict[str, Any]) -> Outcome:
-    pool = ConnectionPool(Endpoint(access), 1)
+    pool = GeventPool(Endpoint(access), 1)
     try:
         return run_in_greenlet(
-            lambda: execute(pool, adapter, body, REQUEST_ID, stream=True, timeouts=TIMEOUTS)
+            lambda: pool.execute(
+                adapter, body, REQUEST_ID, stream=True, timeouts=TIMEOUTS
+            )
         )
     finally:
         pool.close()

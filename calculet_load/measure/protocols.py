@@ -99,7 +99,7 @@ def count_chunk(info: EventInfo, state: CountState) -> None:
     """An event with text and no per-event count from the server: the local tokenizer
     counts its text (`tokenizer`) when one is given, else the chunk counts as one token
     (`chunks`, flagged). Either way the server's final total, when it sends one, is the
-    request's count (`measure.client`)."""
+    request's count (measure.request_state `conclude`)."""
     if state.count_text is not None:
         n = state.count_text(info.reasoning + info.text if info.reasoning else info.text)
         state.source = "tokenizer"

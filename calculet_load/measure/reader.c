@@ -1,6 +1,6 @@
 /* calculet_load.measure._reader: a response's reads in a native thread of their own.
  *
- * The thread I/O engine (measure/engine.py) hands a plain (not TLS) socket to a Reader
+ * The thread I/O engine (measure/thread_engine.py) hands a plain (not TLS) socket to a Reader
  * while a response comes in (`watch`). The Reader's thread waits on its own epoll set,
  * without the interpreter lock, and reads each ready socket at once (or, while reads come
  * densely, every socket ready at most coalesce_ns after the last pass: thread_main): one
@@ -300,7 +300,7 @@ static void *thread_main(void *arg) {
      * sleep would often find one socket or none ready (measured: more CPU a read than
      * reading each as it comes), and each read is made at once. The cost: two events of
      * one stream that arrive within a pass's window share its read and stamp, so the
-     * window is opt-in (coalesce_ns 0 by default: measure.engine, READ_COALESCE_ENV). */
+     * window is opt-in (coalesce_ns 0 by default: measure.thread_loop, READ_COALESCE_ENV). */
     int64_t woke = 0;
     double per_wake = 1.0, gap = 1e9; /* sockets ready, ns between wake-ups */
     for (;;) {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from calculet_load.measure.response import Outcome
+from calculet_load.measure.outcome import Outcome
 from calculet_load.schema.records import RequestRecord
 
 

@@ -19,23 +19,10 @@ import gevent
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.events import events
-from calculet_load.measure.client import (
-    OUTPUT_SLACK_TOKENS,
-    CancelAt,
-    ConnectionPool,
-    Endpoint,
-    OnToken,
-    Outcome,
-    Timeouts,
-    execute,
-)
+from calculet_load.measure.connections import Endpoint
 from calculet_load.measure.durations import durations
-from calculet_load.measure.engine import (
-    DEFAULT_IO_ENGINE,
-    IO_ENGINES,
-    EnginePool,
-    execute_threaded,
-)
+from calculet_load.measure.io_engines import DEFAULT_IO_ENGINE, IOEngine, open_engine
+from calculet_load.measure.outcome import OUTPUT_SLACK_TOKENS, CancelAt, OnToken, Outcome, Timeouts
 from calculet_load.measure.prompts import Prompt, nonce_salt
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.sink import PartSink
@@ -355,12 +342,10 @@ class Session:
         io_engine: str = DEFAULT_IO_ENGINE,
         lane: tuple[int, int] = (0, 1),
     ) -> None:
-        if io_engine not in IO_ENGINES:
-            raise ValueError(f"io_engine {io_engine!r}: one of {', '.join(IO_ENGINES)}")
         if not 0 <= lane[0] < lane[1]:
             raise ValueError(f"lane {lane!r}: expected (i, n) with 0 <= i < n")
         self.ctx = ctx
-        # where the socket I/O runs: gevent (this greenlet) or thread (measure.engine)
+        # where the socket I/O runs: gevent (this greenlet) or thread (the loop thread)
         self.io_engine = io_engine
         # events with text and no count from the server: the local tokenizer counts them
         self.count_text = count_text
@@ -373,11 +358,8 @@ class Session:
         self.adapter = adapter_for(protocol)
         self.protocol = protocol
         self.model = model
-        self.pool = (
-            EnginePool(Endpoint(url), max_in_flight)
-            if io_engine == "thread"
-            else ConnectionPool(Endpoint(url), max_in_flight)
-        )
+        # the target's connections on the chosen engine, and the requests sent over them
+        self.pool: IOEngine = open_engine(io_engine, Endpoint(url), max_in_flight)
         self.timeouts = timeouts or Timeouts()
         self.sink = sink
         self.clock = clock or SystemClock()
@@ -428,15 +410,11 @@ class Session:
             keep_text=spec.keep_text,
         )
         try:
-            if isinstance(self.pool, EnginePool):
-                # the engine sends at the intended time itself (an open loop's arrival
-                # may be handed over before it is due)
-                out = execute_threaded(
-                    self.pool, adapter, body, self.next_request_id(),
-                    send_at_ns=spec.intended_start_ns, **kw,
-                )  # fmt: skip
-            else:
-                out = execute(self.pool, adapter, body, self.next_request_id(), **kw)
+            # the engine sends at the intended time itself (an open loop's arrival may be
+            # handed over before it is due)
+            out = self.pool.execute(
+                adapter, body, self.next_request_id(), send_at_ns=spec.intended_start_ns, **kw
+            )
         except gevent.GreenletExit as exc:  # the run stopped mid-request: keep the record
             cut: Outcome | None = getattr(exc, "outcome", None)
             if cut is not None:

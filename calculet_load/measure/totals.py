@@ -4,7 +4,7 @@ The per-event counts place a request's tokens in time (its token events, ITL); t
 request's count is its confirmed total: the server's final total where a complete
 response carried one (OpenAI's usage, llama.cpp's predicted count), else the per-event
 counts' sum. Every token figure counts the totals (docs/measurement.md, "Token counts").
-Pure: values in, values out (measure.response `conclude` applies them).
+Pure: values in, values out (measure.request_state `conclude` applies them).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
 from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.response import SO_TIMESTAMPNS, Outcome, clock_pair
+from calculet_load.measure.outcome import Outcome
+from calculet_load.measure.rxstamps import SO_TIMESTAMPNS, clock_pair
 
 # linux/net_tstamp.h, linux/errqueue.h, asm-generic/socket.h (where SO_TIMESTAMPNS is 35)
 SO_TIMESTAMPING = 37 if SO_TIMESTAMPNS == 35 else None
@@ -168,7 +169,7 @@ def _unsent(sock: Any) -> int:
 
 def tx_on(sock: Any, on: bool) -> None:
     """Have a connection's sends stamped, or not (from its next send): the thread engine
-    keeps them to the requests its native reader reads (measure.engine `_wait_io` says
+    keeps them to the requests its native reader reads (measure.thread_engine `_wait_io` says
     why). The bytes are counted either way."""
     raw = raw_of(sock)
     tx: TxStamps | None = getattr(raw, "tx", None)

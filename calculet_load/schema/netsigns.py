@@ -1,7 +1,7 @@
 """What a failed connection says about the network (spec §9/§15: a network break makes a
 run infrastructure-invalid; a server that fails is judged on reliability).
 
-One vocabulary for the client (calculet_load.measure.client), the RTT probe
+One vocabulary for the client (calculet_load.measure.outcome), the RTT probe
 (calculet_load.target.netprobe) and the analysis (analysis.tables.netbreaks), read from
 what each failure is on the wire:
 
@@ -33,7 +33,7 @@ __all__ = [
 UNREACHABLE_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
                                 errno.ENETDOWN})  # fmt: skip
 
-# Request records' error classes (calculet_load.measure.client.ERROR_CLASSES) that are a
+# Request records' error classes (calculet_load.measure.outcome.ERROR_CLASSES) that are a
 # sign of a network break; connect_refused and connection_reset are the target's doing.
 NETWORK_ERROR_CLASSES = ("connect_timeout", "unreachable")
 

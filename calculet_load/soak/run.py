@@ -68,7 +68,7 @@ from calculet_load.drive.client import RunClient
 from calculet_load.drive.steps import EventLog, Step, run_steps
 from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.session import RequestSpec, golden_spec
 from calculet_load.ranges import POSITIVE_RATE, SCALE, SEED
 from calculet_load.schema.manifest import ManifestError, load_manifest

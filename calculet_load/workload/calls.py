@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from calculet_load.measure.outcome import OnToken, StreamCancel
 from calculet_load.measure.prompts import Prompt, WorkloadError
-from calculet_load.measure.response import OnToken, StreamCancel
 from calculet_load.measure.result import LLMResult
 from calculet_load.measure.session import RequestSpec, Session
 

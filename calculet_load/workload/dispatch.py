@@ -34,7 +34,7 @@ import gevent.event
 import gevent.pool
 
 from calculet_load.clock import mono_at_wall
-from calculet_load.measure.client import Outcome
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.selfwatch import TIMER_SLACK_S, sleep_until
 from calculet_load.measure.session import RequestSpec, Session
@@ -242,7 +242,7 @@ class OpenLoop(Generic[T]):
     late_after_ms: float = LATE_AFTER_MS
     why_full: str = ""  # appended to the drop reason
     # hand each arrival over a timer's slack before it is due instead of waiting for the
-    # instant: the sender's I/O engine sends at the intended time (measure.engine)
+    # instant: the sender's I/O engine sends at the intended time (measure.io_engines)
     early: bool = False
     result: OpenLoopResult = dataclasses.field(default_factory=OpenLoopResult)
     _halted: bool = dataclasses.field(default=False, init=False)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from analysis.sign import generate_keypair
-from calculet_load.measure.response import ask_kernel_stamps
+from calculet_load.measure.rxstamps import ask_kernel_stamps
 from tests.simproc import ADMIN_TOKEN
 
 

@@ -19,16 +19,12 @@ from pathlib import Path
 import pytest
 
 from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.client import Endpoint, run_in_greenlet
-from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import (
-    CMSG_SPACE,
-    Outcome,
-    Timeouts,
-    ask_kernel_stamps,
-    kernel_ns,
-)
+from calculet_load.measure.rxstamps import CMSG_SPACE, ask_kernel_stamps, kernel_ns
+from calculet_load.measure.thread_engine import ThreadPool
 from calculet_load.schema.access import TargetAccess
 from tests.load.tlsproxy import Pki, make_pki
 
@@ -213,7 +209,7 @@ def test_a_record_read_late_carries_its_arrival_time(pki: Pki) -> None:
 
 
 def test_the_engine_reads_a_large_body_left_in_the_tls_buffers(pki: Pki) -> None:
-    """A read takes at most 256 KiB of plaintext (measure.response `tls_drain`); what the
+    """A read takes at most 256 KiB of plaintext (measure.rxstamps `tls_drain`); what the
     TLS object already holds then is announced by no readiness of the socket when the
     whole response has arrived. The engine reads it at once (it looks at `pending()`
     after each read), rather than waiting for the idle timeout: bodies around that size
@@ -250,14 +246,14 @@ def _ask_one_by_one(port: int, ca_file: Path, n: int) -> list[float]:
     """`n` non-streamed requests in turn on the engine, over one TLS connection to
     `port`: how long each took (s); each must succeed."""
     access = TargetAccess(f"https://localhost:{port}", ca_file=str(ca_file))
-    pool = EnginePool(Endpoint(access), 4)
+    pool = ThreadPool(Endpoint(access), 4)
     adapter = adapter_for("openai-completions")
     body = adapter.body([1, 2, 3, 4], 8, stream=False, model="m", temperature=0.0,
                         seed=None, ignore_eos=True)  # fmt: skip
     timeouts = Timeouts(idle_s=20.0)
 
     def one(i: int) -> Outcome:
-        return execute_threaded(pool, adapter, body, f"big-{i}", stream=False, timeouts=timeouts)
+        return pool.execute(adapter, body, f"big-{i}", stream=False, timeouts=timeouts)
 
     took = []
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.workload.calls import Caller, CallError

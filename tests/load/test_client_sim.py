@@ -15,16 +15,11 @@ from typing import Any
 import gevent
 import pytest
 
-from calculet_load.measure.client import (
-    CancelAt,
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
+from calculet_load.measure.connections import Endpoint
 from calculet_load.measure.durations import durations
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import CancelAt, Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
 from tests.sim.helpers import prompt_ids
 from tests.simproc import SimProcess
@@ -49,7 +44,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _run(
-    pool: ConnectionPool,
+    pool: GeventPool,
     protocol: str,
     prompt: str | list[int],
     n: int,
@@ -65,8 +60,7 @@ def _run(
         prompt, n, stream=stream, model=None, temperature=0.0, seed=None, ignore_eos=True
     )
     return run_in_greenlet(
-        lambda: execute(
-            pool,
+        lambda: pool.execute(
             adapter,
             body,
             rid,
@@ -78,8 +72,8 @@ def _run(
 
 
 @pytest.fixture
-def pool(fast_sim: SimProcess) -> Iterator[ConnectionPool]:
-    p = ConnectionPool(Endpoint(fast_sim.url), max_connections=4)
+def pool(fast_sim: SimProcess) -> Iterator[GeventPool]:
+    p = GeventPool(Endpoint(fast_sim.url), max_connections=4)
     yield p
     p.close()
 
@@ -160,7 +154,7 @@ def _stamps(out: Outcome) -> list[int | None]:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_exact_counts_and_same_hash_stream_and_whole(
-    fast_sim: SimProcess, pool: ConnectionPool, protocol: str
+    fast_sim: SimProcess, pool: GeventPool, protocol: str
 ) -> None:
     n = 37
     _, n_prompt = _tokenized(fast_sim, protocol, PROMPT)
@@ -179,7 +173,7 @@ def test_exact_counts_and_same_hash_stream_and_whole(
     assert outs[True].token_hash == outs[False].token_hash
 
 
-def test_same_text_hash_across_protocols(fast_sim: SimProcess, pool: ConnectionPool) -> None:
+def test_same_text_hash_across_protocols(fast_sim: SimProcess, pool: GeventPool) -> None:
     """Output ids are a function of the prompt ids: the same ids give the same text."""
     n = 25
     hashes: dict[str, str | None] = {}
@@ -211,7 +205,7 @@ def test_k_tokens_per_event_counts_tokens(start_sim: StartSim, n: int) -> None:
         "--set", f"output.tokens_per_event={k}",
         "--set", "output.multibyte_rate=0",
     )  # fmt: skip
-    pool = ConnectionPool(Endpoint(sim.url), max_connections=2)
+    pool = GeventPool(Endpoint(sim.url), max_connections=2)
     try:
         for protocol in PROTOCOLS:
             rid = f"cs-k-{protocol}-{n}"
@@ -243,7 +237,7 @@ def test_k_tokens_per_event_counts_tokens(start_sim: StartSim, n: int) -> None:
 def test_utf8_holdback_exact_counts_and_hash(start_sim: StartSim) -> None:
     sim = start_sim("--time-scale", "0.02", "--set", "output.multibyte_rate=0.4")
     n = 80
-    pool = ConnectionPool(Endpoint(sim.url), max_connections=2)
+    pool = GeventPool(Endpoint(sim.url), max_connections=2)
     try:
         for protocol in PROTOCOLS:
             rid = f"cs-utf8-{protocol}"
@@ -264,7 +258,7 @@ def test_utf8_holdback_exact_counts_and_hash(start_sim: StartSim) -> None:
 
 
 def test_role_chunk_is_an_event_not_a_token(slow_sim: SimProcess) -> None:
-    pool = ConnectionPool(Endpoint(slow_sim.url), max_connections=1)
+    pool = GeventPool(Endpoint(slow_sim.url), max_connections=1)
     try:
         n = 3
         out = _run(pool, "openai-chat", PROMPT, n, "cs-role")
@@ -299,9 +293,7 @@ def test_role_chunk_is_an_event_not_a_token(slow_sim: SimProcess) -> None:
 
 
 @pytest.mark.parametrize("protocol", ["openai-completions", "llama"])
-def test_first_event_is_the_first_token_without_role_chunk(
-    pool: ConnectionPool, protocol: str
-) -> None:
+def test_first_event_is_the_first_token_without_role_chunk(pool: GeventPool, protocol: str) -> None:
     out = _run(pool, protocol, PROMPT, 5, f"cs-norole-{protocol}")
     _assert_exact(out, protocol, 5, stream=True)
     assert out.client_ns.first_event == out.client_ns.first_token
@@ -312,7 +304,7 @@ def test_first_event_is_the_first_token_without_role_chunk(
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_one_token_output(pool: ConnectionPool, protocol: str) -> None:
+def test_one_token_output(pool: GeventPool, protocol: str) -> None:
     out = _run(pool, protocol, PROMPT, 1, f"cs-one-{protocol}")
     _assert_exact(out, protocol, 1, stream=True)
     ns = out.client_ns
@@ -323,7 +315,7 @@ def test_one_token_output(pool: ConnectionPool, protocol: str) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_non_stream_stamps(pool: ConnectionPool, protocol: str) -> None:
+def test_non_stream_stamps(pool: GeventPool, protocol: str) -> None:
     out = _run(pool, protocol, PROMPT, 9, f"cs-whole-{protocol}", stream=False)
     _assert_exact(out, protocol, 9, stream=False)
     t0, t1, t2, t3, t4, t5, t6 = _stamps(out)
@@ -337,7 +329,7 @@ def test_non_stream_stamps(pool: ConnectionPool, protocol: str) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_stream_stamps_are_ordered(pool: ConnectionPool, protocol: str) -> None:
+def test_stream_stamps_are_ordered(pool: GeventPool, protocol: str) -> None:
     out = _run(pool, protocol, PROMPT, 20, f"cs-order-{protocol}")
     _assert_exact(out, protocol, 20, stream=True)
     stamps = [t for t in _stamps(out) if t is not None]
@@ -358,7 +350,7 @@ def test_stream_stamps_are_ordered(pool: ConnectionPool, protocol: str) -> None:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_request_id_joins_the_server_trace_and_t4_follows_the_flush(
-    fast_sim: SimProcess, pool: ConnectionPool, protocol: str
+    fast_sim: SimProcess, pool: GeventPool, protocol: str
 ) -> None:
     rid = f"cs-join-{protocol}.1:a"
     n = 12
@@ -391,7 +383,7 @@ def test_request_id_joins_the_server_trace_and_t4_follows_the_flush(
 
 
 @pytest.mark.parametrize("cancel", ["before_headers", "first_token", 3])
-def test_cancel(fast_sim: SimProcess, pool: ConnectionPool, cancel: CancelAt) -> None:
+def test_cancel(fast_sim: SimProcess, pool: GeventPool, cancel: CancelAt) -> None:
     rid = f"cs-cancel-{cancel}"
     n = 3000  # over a second at this time scale: the client leaves long before the end
     out = _run(pool, "llama", PROMPT, n, rid, cancel=cancel)
@@ -425,7 +417,7 @@ def test_cancel(fast_sim: SimProcess, pool: ConnectionPool, cancel: CancelAt) ->
 # ------------------------------------------------------------ the connection pool
 
 
-def test_keep_alive_reuses_the_connection(pool: ConnectionPool) -> None:
+def test_keep_alive_reuses_the_connection(pool: GeventPool) -> None:
     first = _run(pool, "openai-chat", PROMPT, 4, "cs-ka-1")
     second = _run(pool, "llama", PROMPT, 4, "cs-ka-2")
     third = _run(pool, "openai-completions", PROMPT, 4, "cs-ka-3", stream=False)
@@ -452,12 +444,12 @@ def test_a_new_connection_does_not_wait_on_the_hub(fast_sim: SimProcess) -> None
                         ignore_eos=True)  # fmt: skip
     took = []
     for i in range(3):
-        pool = ConnectionPool(Endpoint(fast_sim.url), max_connections=1)
+        pool = GeventPool(Endpoint(fast_sim.url), max_connections=1)
         pool.endpoint.address()  # resolved beforehand (a first lookup may wait on the hub)
 
         def request(rid: str) -> Outcome:
             gevent.spawn(time.sleep, 0.03)  # blocks the hub at its next turn
-            return execute(pool, adapter, body, rid, stream=True)  # noqa: B023
+            return pool.execute(adapter, body, rid, stream=True)  # noqa: B023
 
         try:
             out = gevent.spawn(request, f"cs-conn-hub-{i}").get(timeout=30)
@@ -469,7 +461,7 @@ def test_a_new_connection_does_not_wait_on_the_hub(fast_sim: SimProcess) -> None
 
 
 def test_pool_sized_to_the_cap_refuses_instead_of_queueing(fast_sim: SimProcess) -> None:
-    pool = ConnectionPool(Endpoint(fast_sim.url), max_connections=2)
+    pool = GeventPool(Endpoint(fast_sim.url), max_connections=2)
     adapter = adapter_for("llama")
     n = 400
     returned: dict[str, int] = {}
@@ -478,7 +470,7 @@ def test_pool_sized_to_the_cap_refuses_instead_of_queueing(fast_sim: SimProcess)
         body = adapter.body(
             PROMPT, n, stream=True, model=None, temperature=0.0, seed=None, ignore_eos=True
         )
-        out = execute(pool, adapter, body, rid, stream=True, timeouts=Timeouts(total_s=30))
+        out = pool.execute(adapter, body, rid, stream=True, timeouts=Timeouts(total_s=30))
         returned[rid] = time.monotonic_ns()
         return out
 
@@ -495,7 +487,7 @@ def test_pool_sized_to_the_cap_refuses_instead_of_queueing(fast_sim: SimProcess)
         # Refused at once, not parked until a connection came free (at the end of a
         # served response: its last token; not its first, which can come while the
         # third greenlet's refusal is still on its way out, now that a loopback connect
-        # does not hand the hub to the other greenlets: measure.client.connect_now).
+        # does not hand the hub to the other greenlets: measure.connections.connect_now).
         assert returned[drop.request_id] < min(o.client_ns.last_token or 0 for o in served), (
             "the dropped request waited for a connection"
         )
@@ -520,7 +512,7 @@ def test_queue_full_is_http_429(start_sim: StartSim) -> None:
     sim = start_sim(
         "--time-scale", "0.5", "--set", "scheduling.slots=1", "--set", "scheduling.queue_max=1"
     )
-    pool = ConnectionPool(Endpoint(sim.url), max_connections=3)
+    pool = GeventPool(Endpoint(sim.url), max_connections=3)
     try:
         runner = adapter_for("llama")
 
@@ -528,7 +520,7 @@ def test_queue_full_is_http_429(start_sim: StartSim) -> None:
             body = runner.body(
                 PROMPT, n, stream=True, model=None, temperature=0.0, seed=None, ignore_eos=True
             )
-            return execute(pool, runner, body, rid, stream=True, timeouts=Timeouts(total_s=30))
+            return pool.execute(runner, body, rid, stream=True, timeouts=Timeouts(total_s=30))
 
         holder = gevent.spawn(req, "cs-q-holder", 400)
         _wait_rows(sim, "cs-q-holder", "admitted")
@@ -551,7 +543,7 @@ def test_queue_full_is_http_429(start_sim: StartSim) -> None:
 
 @pytest.mark.parametrize("protocol", ["openai-completions", "llama"])
 def test_prompt_over_max_context_is_http_400(
-    fast_sim: SimProcess, pool: ConnectionPool, protocol: str
+    fast_sim: SimProcess, pool: GeventPool, protocol: str
 ) -> None:
     prompt = prompt_ids(40_959)
     rid = f"cs-ctx-{protocol}"
@@ -572,7 +564,7 @@ def test_prompt_over_max_context_is_http_400(
 
 
 def test_total_timeout_with_the_slow_profile(slow_sim: SimProcess) -> None:
-    pool = ConnectionPool(Endpoint(slow_sim.url), max_connections=1)
+    pool = GeventPool(Endpoint(slow_sim.url), max_connections=1)
     # 1 s: past the first tokens (the 250 ms warm-up and a prefill) with room for a loaded
     # machine, and well short of the 200 steps' 3 s
     total_s = 1.0

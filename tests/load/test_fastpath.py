@@ -1,6 +1,6 @@
-"""The event stream's fast path (issue 18) reads exactly what the general path reads.
+"""The event stream's fast path reads exactly what the general path reads.
 
-`measure.response._chunked` reads a whole chunk holding one plain `data: ` event of the
+`measure.exchange._chunked` reads a whole chunk holding one plain `data: ` event of the
 common OpenAI shape straight from the read's bytes (`_PLAIN_HEAD`, `Run.on_plain`,
 `OpenAIAdapter.fast_event`: msgspec decodes and type-checks it in C), and hands
 everything else to the general path (`ChunkedDecoder.feed`, `SSEParser.feed`,
@@ -26,18 +26,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calculet_load.clock import FakeClock
+from calculet_load.measure.exchange import respond, wire
+from calculet_load.measure.outcome import CancelAt, Fail, Outcome, Timeouts
 from calculet_load.measure.protocols import Adapter, LlamaAdapter, OpenAIAdapter
-from calculet_load.measure.response import (
-    CancelAt,
-    Fail,
-    Outcome,
-    Reads,
-    Run,
-    Timeouts,
-    conclude,
-    respond,
-    wire,
-)
+from calculet_load.measure.request_state import Run, conclude
+from calculet_load.measure.rxstamps import Reads
 from calculet_load.measure.sse import SSEParser
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

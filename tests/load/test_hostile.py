@@ -30,45 +30,41 @@ import h11
 import pyarrow.parquet as pq
 import pytest
 
-from calculet_load.measure import engine as engine_module
 from calculet_load.measure import session as session_module
-from calculet_load.measure.client import (
-    ERROR_CLASSES,
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
-from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure import thread_loop, thread_reads
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.exchange import prepare, wire
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import IOEngine, run_in_greenlet
+from calculet_load.measure.outcome import ERROR_CLASSES, Outcome, Timeouts
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import prepare, wire
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
+from calculet_load.measure.thread_engine import ThreadPool
 from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
 from tests.load.test_fastpath import read_response
 from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
+# the I/O engine's pool the cases run on (`io_engine` sets it)
+Pool: Callable[[Endpoint, int], IOEngine] = GeventPool
 
 
 @pytest.fixture(autouse=True, params=["gevent", "thread", "thread-loop", "thread-backlog"])
 def io_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every case on both I/O engines: the gevent one (measure.client) and the thread one
-    (measure.engine) must give the same outcome; the thread one with its native reader
-    (where it is built: measure.native), with reads on its loop (`thread-loop`), and with
-    every read on its loop parsed after it was queued (as when the loop is late:
-    measure.engine._Backlog)."""
+    """Every case on both I/O engines: the gevent one (measure.gevent_engine) and the
+    thread one (measure.thread_engine) must give the same outcome; the thread one with its
+    native reader (where it is built: measure.native), with reads on its loop
+    (`thread-loop`), and with every read on its loop parsed after it was queued (as when
+    the loop is late: measure.thread_loop.Backlog)."""
     # the native reader where it is built (else the loop's reads: test_reader.py says why)
-    monkeypatch.setattr(engine_module, "READ_NATIVELY", request.param == "thread")
+    monkeypatch.setattr(thread_loop, "READ_NATIVELY", request.param == "thread")
     if request.param == "thread-backlog":
-        monkeypatch.setattr(engine_module, "LATE_READ_NS", -1)
+        monkeypatch.setattr(thread_reads, "LATE_READ_NS", -1)
     if request.param.startswith("thread"):
         here = globals()
-        monkeypatch.setitem(here, "ConnectionPool", EnginePool)
-        monkeypatch.setitem(here, "execute", execute_threaded)
+        monkeypatch.setitem(here, "Pool", ThreadPool)
         monkeypatch.setitem(here, "Session", functools.partial(session_module.Session,
                                                                io_engine="thread"))  # fmt: skip
     return str(request.param)
@@ -218,7 +214,7 @@ def request(
     *,
     stream: bool = True,
     timeouts: Timeouts = PATIENT,
-    pool: ConnectionPool | None = None,
+    pool: IOEngine | None = None,
     request_id: str = "req-1",
 ) -> Outcome:
     adapter = adapter_for(proto)
@@ -231,12 +227,12 @@ def request(
         seed=None,
         ignore_eos=False,
     )
-    own = ConnectionPool(Endpoint(url), 4) if pool is None else None
+    own = Pool(Endpoint(url), 4) if pool is None else None
     use = pool or own
     assert use is not None
     try:
         return run_in_greenlet(
-            lambda: execute(use, adapter, body, request_id, stream=stream, timeouts=timeouts)
+            lambda: use.execute(adapter, body, request_id, stream=stream, timeouts=timeouts)
         )
     finally:
         if own is not None:
@@ -252,7 +248,7 @@ def play(
 ) -> Outcome:
     """One request against `script`, then a valid one on a fresh pool (the worker goes on)."""
     with serve(script, VALID) as server:
-        pool = ConnectionPool(Endpoint(server.url), 4)
+        pool = Pool(Endpoint(server.url), 4)
         try:
             out = request(server.url, proto, stream=stream, timeouts=timeouts, pool=pool)
             assert out.error_class is None or out.error_class in ERROR_CLASSES
@@ -315,7 +311,7 @@ def assert_ordered(out: Outcome) -> None:
 def test_valid_capture_succeeds_and_the_connection_is_reused() -> None:
     wire = frame(CAPTURE_EVENTS, "chunked")
     with serve([wire.data, READ, wire.data]) as server:
-        pool = ConnectionPool(Endpoint(server.url), 2)
+        pool = Pool(Endpoint(server.url), 2)
         try:
             first = request(server.url, pool=pool, request_id="req-1")
             second = request(server.url, pool=pool, request_id="req-2")
@@ -931,7 +927,7 @@ def test_a_switch_of_protocols_is_not_http() -> None:
 
 def test_connection_close_header_is_honoured() -> None:
     with serve([http(SHORT_LLAMA, headers=[b"Connection: close"])]) as server:
-        pool = ConnectionPool(Endpoint(server.url), 2)
+        pool = Pool(Endpoint(server.url), 2)
         try:
             out = request(server.url, pool=pool)
             assert pool.open == 0  # not kept for reuse
@@ -1094,7 +1090,7 @@ def test_closed_before_the_head_is_connection_reset(script: list[Step]) -> None:
 
 def test_connection_refused() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    pool = ConnectionPool(Endpoint(url), 1)
+    pool = Pool(Endpoint(url), 1)
     try:
         out = request(url, pool=pool)
         assert pool.open == 0
@@ -1131,7 +1127,7 @@ def full_backlog() -> Iterator[str]:
 def test_connect_timeout(full_backlog: str) -> None:
     short = Timeouts(connect_s=0.3, first_byte_s=0.3, idle_s=0.3, total_s=2.0)
     start = time.monotonic()
-    pool = ConnectionPool(Endpoint(full_backlog), 1)
+    pool = Pool(Endpoint(full_backlog), 1)
     try:
         out = request(full_backlog, timeouts=short, pool=pool)
         assert pool.open == 0
@@ -1164,7 +1160,7 @@ def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
 )
 def test_idle_keepalive_connection(after_first: list[Step], reused: bool) -> None:
     with serve([VALID[0], *after_first], VALID) as server:
-        pool = ConnectionPool(Endpoint(server.url), 1)
+        pool = Pool(Endpoint(server.url), 1)
         try:
             first = request(server.url, pool=pool)
             assert first.ok and pool.open == 1
@@ -1192,7 +1188,7 @@ def test_a_kept_alive_connection_closed_under_the_request_is_retried_once(then_o
     a new connection that fails the same way is an error, and there is no third try."""
     second_script = VALID if then_ok else [CLOSE]
     with serve([VALID[0], READ, CLOSE], second_script, [CLOSE]) as server:
-        pool = ConnectionPool(Endpoint(server.url), 1)
+        pool = Pool(Endpoint(server.url), 1)
         try:
             first = request(server.url, pool=pool)
             assert first.ok and not first.stale_retry
@@ -1216,7 +1212,7 @@ def test_pool_exhausted_is_immediate_and_the_held_request_completes() -> None:
     # keeps the one connection however late a loaded machine runs either side.
     answer = threading.Event()
     with serve([Until(answer, 5.0), VALID[0]]) as server:
-        pool = ConnectionPool(Endpoint(server.url), 1)
+        pool = Pool(Endpoint(server.url), 1)
         try:
             slow = Timeouts(connect_s=5.0, first_byte_s=8.0, idle_s=8.0, total_s=10.0)
             held = gevent.spawn(request, server.url, timeouts=slow, pool=pool)
@@ -1295,7 +1291,7 @@ def test_non_stream_hostile_body(proto: str, body: bytes, error_class: str) -> N
     failed(out, error_class, 7 if error_class == "nonfinite_number" else 0)
 
 
-# --- values a record must never be lost to (issue 15) ----------------------------------------
+# --- values a record must never be lost to -------------------------------------------------
 
 
 def test_an_out_of_range_count_keeps_its_raw_value_as_bounded_text() -> None:
@@ -1368,11 +1364,10 @@ def test_output_above_max_tokens_is_flagged(max_tokens: int, slack: int, flagged
     body = adapter.body("x", max_tokens, stream=True, model=None, temperature=0.0, seed=None,
                         ignore_eos=True)  # fmt: skip
     with serve([http(L1 + L2 + L3 + STOP3)]) as server:
-        pool = ConnectionPool(Endpoint(server.url), 1)
+        pool = Pool(Endpoint(server.url), 1)
         try:
             out = run_in_greenlet(
-                lambda: execute(
-                    pool,
+                lambda: pool.execute(
                     adapter,
                     body,
                     "r",

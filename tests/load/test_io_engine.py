@@ -1,4 +1,4 @@
-"""The thread I/O engine (measure.engine) end to end: a real Locust process, open loop,
+"""The thread I/O engine (measure.thread_engine) end to end: a real Locust process, open loop,
 `--io-engine thread`, against a real time-scaled simulator on loopback; its records
 against the simulator's own trace (same host, same monotonic clock).
 
@@ -21,11 +21,16 @@ import numpy as np
 import pytest
 
 from calculet_load.locust.accuracy import Accuracy
-from calculet_load.measure import engine
+from calculet_load.measure import thread_engine
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import open_engine
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt
-from calculet_load.measure.response import Outcome
 from calculet_load.measure.session import RequestSpec, RunContext, Session, turnaround
 from calculet_load.measure.sink import PartSink
+from calculet_load.measure.thread_engine import ThreadPool
+from calculet_load.measure.thread_loop import LoopThread
 from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
 from calculet_load.schema.records import ClientNs, RequestRecord
 from tests.load.hostile import Sleep, serve
@@ -40,7 +45,7 @@ pytestmark = pytest.mark.timeout(120)
 # the bound leaves room for a suite running beside it.
 TOKEN_DELAY_MS = 50.0
 # The kernel's receive time is CLOCK_REALTIME moved onto the monotonic clock by two
-# readings at most 20 µs apart (measure/response.py: clock_pair): the arrival may seem to
+# readings at most 20 µs apart (measure/rxstamps.py: clock_pair): the arrival may seem to
 # precede the start of the server's write by that much.
 CLOCK_MOVE_MS = 1.0
 
@@ -169,7 +174,7 @@ def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
     """The engine thread held up between t0 and the write (as when it waits for the
     interpreter lock the greenlets hold): TTFT carries the wait, and the self-check's
     start-to-sent figure names the cell (calculet_load.locust.accuracy)."""
-    real = engine._send_all
+    real = thread_engine._send_all
     calls = []
 
     async def held_up(*args: Any) -> None:
@@ -178,7 +183,7 @@ def test_the_engine_thread_waiting_after_the_start_stamp_is_flagged(
             time.sleep(0.03)  # blocks the engine's loop, as a lock it waits for would
         await real(*args)
 
-    monkeypatch.setattr(engine, "_send_all", held_up)
+    monkeypatch.setattr(thread_engine, "_send_all", held_up)
     records = _send_in_turn(fast_sim, 4)
     assert [r.ext.error_class for r in records] == [None] * 4
     assert [r.ext.connection_reused for r in records] == [False, True, True, True]
@@ -201,7 +206,7 @@ def test_the_clients_own_time_around_a_request_is_its_turnaround(
     """`ext.turnaround_ms`: from the driver's send to t0, and from t6 to the outcome back.
     The engine's loop held 30 ms before a request's start stamp is in it (a closed-loop
     user's next request waited for it), and not in the request's durations."""
-    real = engine._attempt
+    real = thread_engine._attempt
     calls = []
 
     async def held_up(*args: Any, **kw: Any) -> Any:
@@ -210,7 +215,7 @@ def test_the_clients_own_time_around_a_request_is_its_turnaround(
             time.sleep(0.03)  # blocks the engine's loop before the start stamp
         return await real(*args, **kw)
 
-    monkeypatch.setattr(engine, "_attempt", held_up)
+    monkeypatch.setattr(thread_engine, "_attempt", held_up)
     records = _send_in_turn(fast_sim, 3)
     assert [r.ext.error_class for r in records] == [None] * 3
     held = [r.ext.turnaround_ms for r in records]
@@ -246,13 +251,13 @@ def test_a_new_connection_held_up_after_its_connect_is_flagged(
 ) -> None:
     """A new connection's connect is the request's (`ext.connect_ms`); the client's own
     wait after it, before the write, is not: the start-to-sent figure counts it."""
-    real = engine._send_all
+    real = thread_engine._send_all
 
     async def held_up(*args: Any) -> None:
         time.sleep(0.03)  # blocks the engine's loop between the connect and the write
         await real(*args)
 
-    monkeypatch.setattr(engine, "_send_all", held_up)
+    monkeypatch.setattr(thread_engine, "_send_all", held_up)
     record = _one_new_connection(fast_sim)
     assert record.ext.connect_ms is not None and 0 < record.ext.connect_ms < 30.0
     gap = (record.client_ns.headers_sent - record.client_ns.request_start) / 1e6
@@ -269,13 +274,13 @@ def test_a_slow_connect_is_the_requests_and_not_flagged(
 ) -> None:
     """A connect that waits 30 ms on the network (here: on the loop's timer, as a
     handshake's round trips would) is in `ext.connect_ms` and TTFT, not the self-check."""
-    real = engine._connect
+    real = thread_engine._connect
 
     async def slow(*args: Any) -> None:
-        await engine.asyncio.sleep(0.03)
+        await thread_engine.asyncio.sleep(0.03)
         await real(*args)
 
-    monkeypatch.setattr(engine, "_connect", slow)
+    monkeypatch.setattr(thread_engine, "_connect", slow)
     record = _one_new_connection(fast_sim)
     assert record.ext.connect_ms is not None and record.ext.connect_ms >= 30.0
     gap = (record.client_ns.headers_sent - record.client_ns.request_start) / 1e6
@@ -296,7 +301,7 @@ def test_the_engine_and_the_sink_name_their_threads(tmp_path: Path) -> None:
                 out[int(tid)] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
         return out
 
-    engine.IoEngine.shared()
+    LoopThread.shared()
     assert ENGINE_THREAD in names().values()
     sink = PartSink(str(tmp_path), "w00")
     try:
@@ -307,3 +312,24 @@ def test_the_engine_and_the_sink_name_their_threads(tmp_path: Path) -> None:
     finally:
         sink.close()
     assert names().get(os.getpid()) not in (ENGINE_THREAD, SINK_THREAD)  # the main one
+
+
+def test_a_session_chooses_its_engine_by_name() -> None:
+    """One place maps a name to its engine (measure.io_engines): each name opens that
+    engine's pool, the session sends through it, and an unknown name is refused with the
+    choices named."""
+    endpoint = Endpoint("http://127.0.0.1:9")
+    gevent_pool = open_engine("gevent", endpoint, 2)
+    thread_pool = open_engine("thread", endpoint, 2)
+    try:
+        assert isinstance(gevent_pool, GeventPool) and isinstance(thread_pool, ThreadPool)
+        assert (gevent_pool.max_connections, thread_pool.open) == (2, 0)
+    finally:
+        gevent_pool.close()
+        thread_pool.close()
+    for name, kind in (("gevent", GeventPool), ("thread", ThreadPool)):
+        session = Session(RunContext("pick", "w00"), endpoint.url, "llama", io_engine=name)
+        assert type(session.pool) is kind
+        session.close()
+    with pytest.raises(ValueError, match="io_engine 'uv': one of gevent, thread"):
+        Session(RunContext("pick", "w00"), endpoint.url, "llama", io_engine="uv")

@@ -1,4 +1,4 @@
-"""Stamps from the kernel's receive time (issue 18): a busy client loop does not make them late.
+"""Stamps from the kernel's receive time: a busy client loop does not make them late.
 
 A plain-socket server in a thread sends one SSE event at a known monotonic instant while
 the client's gevent loop is blocked (a greenlet sleeps without yielding, as a loop busy
@@ -17,14 +17,10 @@ import gevent
 import pytest
 
 from calculet_load.clock import FakeClock
-from calculet_load.measure.client import (
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
 
 FIRST_AT_S = 0.10  # the first event, after the request was read
@@ -87,7 +83,7 @@ class OneShot:
 
 
 def _request(port: int, clock: FakeClock | None = None) -> Outcome:
-    pool = ConnectionPool(Endpoint(f"http://127.0.0.1:{port}"), 1)
+    pool = GeventPool(Endpoint(f"http://127.0.0.1:{port}"), 1)
     adapter = adapter_for("openai-completions")
     body = adapter.body([1, 2, 3], 2, stream=True, model=None, temperature=0.0, seed=None,
                         ignore_eos=True)  # fmt: skip
@@ -99,7 +95,7 @@ def _request(port: int, clock: FakeClock | None = None) -> Outcome:
     def send() -> Outcome:
         blocker = gevent.spawn(busy)
         kw = {"clock": clock} if clock is not None else {}
-        out = execute(pool, adapter, body, "ks-1", stream=True, timeouts=Timeouts(), **kw)
+        out = pool.execute(adapter, body, "ks-1", stream=True, timeouts=Timeouts(), **kw)
         blocker.join()
         pool.close()
         return out
@@ -180,7 +176,7 @@ def test_the_clock_pair_is_read_again_when_the_thread_was_preempted_between() ->
     stamp earlier by the preemption. `clock_pair` sees the monotonic clock move past
     PAIR_NS across the wall read and reads the pair again (measure/reader.c does the
     same in C)."""
-    from calculet_load.measure.response import PAIR_NS, clock_pair
+    from calculet_load.measure.rxstamps import PAIR_NS, clock_pair
 
     preempted = _PreemptedOnce(gap_ns=5_000_000)
     assert PAIR_NS < 5_000_000

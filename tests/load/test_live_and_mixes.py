@@ -11,7 +11,7 @@ import pytest
 
 from calculet_load.events import EventHook
 from calculet_load.locust.livestats import LiveStats, LogHistogram
-from calculet_load.measure.client import ERROR_CLASSES
+from calculet_load.measure.outcome import ERROR_CLASSES
 from calculet_load.workload.mixes import MIX_DIR, MixError, load_mix, parse_mix, single
 
 REPO = Path(__file__).resolve().parents[2]

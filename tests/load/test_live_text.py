@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 
-from calculet_load.measure import engine as engine_module
-from calculet_load.measure.client import ConnectionPool, Endpoint, execute, run_in_greenlet
-from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure import thread_loop
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import IOEngine, run_in_greenlet
+from calculet_load.measure.outcome import StreamCancel
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import StreamCancel
+from calculet_load.measure.thread_engine import ThreadPool
 from calculet_load.schema.records import TokenEvent
 from tests.load.hostile import Until, serve
 from tests.load.test_hostile import CHUNKED_HEAD, DONE, PATIENT, chat_event, chunk, llama_event
@@ -32,19 +34,17 @@ def send(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any
     its outcome."""
     threaded = request.param == "thread"
     if threaded:
-        monkeypatch.setattr(engine_module, "READ_NATIVELY", True)
+        monkeypatch.setattr(thread_loop, "READ_NATIVELY", True)
 
     def go(url: str, protocol: str, **kw: Any) -> Any:
-        pool_cls = EnginePool if threaded else ConnectionPool
-        run = execute_threaded if threaded else execute
-        pool = pool_cls(Endpoint(url), 4)
+        pool: IOEngine = (ThreadPool if threaded else GeventPool)(Endpoint(url), 4)
         adapter = adapter_for(protocol)
         body = adapter.body(
             "hi", 16, stream=True, model=None, temperature=0.0, seed=None, ignore_eos=True
         )
         try:
             return run_in_greenlet(
-                lambda: run(pool, adapter, body, "r1", stream=True, timeouts=PATIENT, **kw)
+                lambda: pool.execute(adapter, body, "r1", stream=True, timeouts=PATIENT, **kw)
             )
         finally:
             pool.close()

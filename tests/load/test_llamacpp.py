@@ -23,7 +23,8 @@ import yaml
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
 from calculet_load.cli import main
-from calculet_load.measure.client import Timeouts, run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Timeouts
 from calculet_load.measure.prompts import (
     LocalTokenizer,
     PromptFactory,

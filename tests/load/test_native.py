@@ -3,6 +3,7 @@ built from these sources, never otherwise, and reading every stream as the sourc
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -69,10 +70,9 @@ def test_the_compiled_modules_run_when_built() -> None:
         if lacks is None:
             pytest.fail(f"this machine can build the compiled modules, and runs: {native.STATE}")
         pytest.skip(f"the compiled modules cannot be built here: {lacks}")
-    from calculet_load.measure import chunked, protocols, response, sse
-
     assert native.STATE.startswith("on"), native.STATE
-    for module in (chunked, sse, response, protocols):
+    for name in native.NATIVE_MODULES:
+        module = importlib.import_module(f"calculet_load.measure.{name}")
         assert Path(str(module.__file__)).is_relative_to(native.BUILD_DIR), module.__file__
         assert str(module.__file__).endswith(".so")
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from calculet_load.measure.client import Endpoint
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.exchange import prepare
 from calculet_load.measure.protocols import CountState, ProtocolError, adapter_for
-from calculet_load.measure.response import prepare
 
 CHAT = adapter_for("openai-chat")
 COMPLETIONS = adapter_for("openai-completions")

@@ -1,5 +1,5 @@
-"""The thread engine on a late loop: it reads before it parses (measure.engine._Backlog),
-and a new connection does not wait for the loop.
+"""The thread engine on a late loop: it reads before it parses (measure.thread_loop
+`Backlog`), and a new connection does not wait for the loop.
 
 A read's kernel stamp is the arrival of the last segment it copies, and segments that
 arrive while earlier ones wait unread are merged with the newest time. So a stream read
@@ -21,11 +21,13 @@ from typing import Any
 import gevent
 import pytest
 
-from calculet_load.measure import engine
-from calculet_load.measure.client import Endpoint, run_in_greenlet
-from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure import thread_loop, thread_reads
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import Outcome, Timeouts
+from calculet_load.measure.thread_engine import ThreadPool
+from calculet_load.measure.thread_loop import LoopThread
 from tests.load.hostile import CLOSE, serve
 from tests.load.test_hostile import PATIENT, SHORT_LLAMA, http
 
@@ -101,16 +103,16 @@ def _slow_count(text: str) -> int:
 
 
 def _fan_out() -> tuple[list[Outcome], dict[str, list[int]]]:
-    server = Fanout(engine.IoEngine.shared().loop)
-    pool = EnginePool(Endpoint(f"http://127.0.0.1:{server.port}"), STREAMS)
-    assert pool.engine is engine.IoEngine.shared()
+    server = Fanout(LoopThread.shared().loop)
+    pool = ThreadPool(Endpoint(f"http://127.0.0.1:{server.port}"), STREAMS)
+    assert pool.engine is LoopThread.shared()
     adapter = adapter_for("openai-completions")
     body = adapter.body([1, 2, 3], TOKENS, stream=True, model=None, temperature=0.0,
                         seed=None, ignore_eos=True)  # fmt: skip
 
     def one(k: int) -> Outcome:
-        return execute_threaded(pool, adapter, body, f"rp-{k}", stream=True,
-                                timeouts=Timeouts(), count_text=_slow_count)  # fmt: skip
+        return pool.execute(adapter, body, f"rp-{k}", stream=True, timeouts=Timeouts(),
+                            count_text=_slow_count)  # fmt: skip
 
     def all_of_them() -> list[Outcome]:
         jobs = [gevent.spawn(one, k) for k in range(STREAMS)]
@@ -143,11 +145,11 @@ def _lateness_ms(outs: list[Outcome], sent: dict[str, list[int]]) -> list[list[f
 def test_a_late_loop_reads_every_stream_before_it_parses(
     reads: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the loop: read first, parsed after (`_Backlog`). Natively: the reader's thread
+    """On the loop: read first, parsed after (`Backlog`). Natively: the reader's thread
     reads while the loop is blocked (measure/reader.c); the same bound either way."""
-    if reads == "native" and engine.IoEngine.shared().reader is None:
+    if reads == "native" and LoopThread.shared().reader is None:
         pytest.skip("the native reader is not built (measure.native)")
-    monkeypatch.setattr(engine, "READ_NATIVELY", reads == "native")
+    monkeypatch.setattr(thread_loop, "READ_NATIVELY", reads == "native")
     outs, sent = _fan_out()
     late = _lateness_ms(outs, sent)
     # every token keeps its own arrival: no read came after the next token's
@@ -162,8 +164,8 @@ def test_parsed_as_read_the_last_streams_lose_their_first_tokens_time(
 ) -> None:
     # the contrast that shows what the backlog is for: never late, so parsed at each read
     # (reads on the loop: the native reader reads in a thread of its own)
-    monkeypatch.setattr(engine, "READ_NATIVELY", False)
-    monkeypatch.setattr(engine, "LATE_READ_NS", 10**12)
+    monkeypatch.setattr(thread_loop, "READ_NATIVELY", False)
+    monkeypatch.setattr(thread_reads, "LATE_READ_NS", 10**12)
     outs, sent = _fan_out()
     late = _lateness_ms(outs, sent)
     firsts = sorted(row[0] for row in late)
@@ -175,7 +177,7 @@ def test_a_new_connection_on_a_late_loop_is_sent_at_once() -> None:
     """Every pass of the engine's loop takes 5 ms (as when it is late); a request on a
     new connection still goes out within a pass of its start stamp: the connect does
     not wait for the loop (it took four or five passes through asyncio.wait_for)."""
-    loop = engine.IoEngine.shared().loop
+    loop = LoopThread.shared().loop
     hogging = [True]
 
     def hog() -> None:
@@ -184,7 +186,7 @@ def test_a_new_connection_on_a_late_loop_is_sent_at_once() -> None:
             loop.call_soon(hog)
 
     with serve([http(SHORT_LLAMA), CLOSE]) as server:  # one answer per connection
-        pool = EnginePool(Endpoint(server.url), 4)
+        pool = ThreadPool(Endpoint(server.url), 4)
         adapter = adapter_for("llama")
         body = adapter.body([1, 2, 3], 3, stream=True, model=None, temperature=0.0,
                             seed=None, ignore_eos=True)  # fmt: skip
@@ -192,8 +194,8 @@ def test_a_new_connection_on_a_late_loop_is_sent_at_once() -> None:
         try:
             outs = [
                 run_in_greenlet(
-                    lambda k=k: execute_threaded(
-                        pool, adapter, body, f"nc-{k}", stream=True, timeouts=PATIENT
+                    lambda k=k: pool.execute(
+                        adapter, body, f"nc-{k}", stream=True, timeouts=PATIENT
                     )
                 )
                 for k in range(4)

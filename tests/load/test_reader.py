@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 
-from calculet_load.measure import engine as engine_module
-from calculet_load.measure import native
-from calculet_load.measure.client import Endpoint, run_in_greenlet
-from calculet_load.measure.engine import EnginePool, IoEngine, execute_threaded
+from calculet_load.measure import native, thread_loop
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import ask_kernel_stamps, kernel_wall_ns
+from calculet_load.measure.rxstamps import ask_kernel_stamps, kernel_wall_ns
+from calculet_load.measure.thread_engine import ThreadPool
+from calculet_load.measure.thread_loop import LoopThread
 from calculet_load.measure.threads import READER_THREAD
 from tests.load.hostile import Sleep, serve
 from tests.load.test_hostile import CHUNKED_HEAD, PATIENT, chunk, llama_event
@@ -256,12 +257,12 @@ def _stream(events: int, gap_s: float) -> list[Any]:
     return [*script, chunk(llama_event(events, stop=True)), b"0\r\n\r\n"]
 
 
-def _request(pool: EnginePool, request_id: str) -> Any:
+def _request(pool: ThreadPool, request_id: str) -> Any:
     adapter = adapter_for("llama")
     body = adapter.body("Once", 32, stream=True, model=None, temperature=0.0, seed=None,
                         ignore_eos=False)  # fmt: skip
     return run_in_greenlet(
-        lambda: execute_threaded(pool, adapter, body, request_id, stream=True, timeouts=PATIENT)
+        lambda: pool.execute(adapter, body, request_id, stream=True, timeouts=PATIENT)
     )
 
 
@@ -272,7 +273,7 @@ def test_the_engine_reads_a_stream_natively_with_the_same_outcome_as_on_its_loop
     """The same stream, read by the native reader and on the engine's loop: the same
     tokens, text, counts and reuse; each token stamped at its own arrival either way (the
     server's 20 ms gaps)."""
-    engine = IoEngine()
+    engine = LoopThread()
     calls: list[str] = []
     real = engine.reader
 
@@ -285,8 +286,8 @@ def test_the_engine_reads_a_stream_natively_with_the_same_outcome_as_on_its_loop
     outs = {}
     with serve(_stream(5, 0.02), _stream(5, 0.02)) as server:
         for native_reads in (True, False):
-            monkeypatch.setattr(engine_module, "READ_NATIVELY", native_reads)
-            pool = EnginePool(Endpoint(server.url), 2, engine=engine)
+            monkeypatch.setattr(thread_loop, "READ_NATIVELY", native_reads)
+            pool = ThreadPool(Endpoint(server.url), 2, engine=engine)
             try:
                 outs[native_reads] = _request(pool, f"req-{native_reads}")
             finally:
@@ -311,7 +312,7 @@ def test_the_engine_reads_a_stream_natively_with_the_same_outcome_as_on_its_loop
 @needs_reader
 def test_a_forked_child_lets_go_of_its_parents_reader() -> None:
     """A fork's child has no reader thread: dropping the copy neither waits for that thread
-    nor takes a lock its parent's thread may have held (IoEngine.shared makes the child
+    nor takes a lock its parent's thread may have held (LoopThread.shared makes the child
     its own engine)."""
     r = _reader.Reader()
     pid = os.fork()
@@ -333,7 +334,7 @@ def test_a_forked_child_lets_go_of_its_parents_reader() -> None:
 def test_a_socket_the_reader_cannot_take_is_read_on_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    engine = IoEngine()
+    engine = LoopThread()
     real = engine.reader
 
     class Refuses:
@@ -344,9 +345,9 @@ def test_a_socket_the_reader_cannot_take_is_read_on_the_loop(
             raise OSError(errno.ENOMEM, "no room")
 
     engine.reader = Refuses()
-    monkeypatch.setattr(engine_module, "READ_NATIVELY", True)
+    monkeypatch.setattr(thread_loop, "READ_NATIVELY", True)
     with serve(_stream(3, 0.01)) as server:
-        pool = EnginePool(Endpoint(server.url), 1, engine=engine)
+        pool = ThreadPool(Endpoint(server.url), 1, engine=engine)
         try:
             out = _request(pool, "req-loop")
         finally:
@@ -356,12 +357,12 @@ def test_a_socket_the_reader_cannot_take_is_read_on_the_loop(
 
 
 def test_the_coalescing_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(engine_module.READ_COALESCE_ENV, "250")
-    assert engine_module._coalesce_us() == 250
+    monkeypatch.setenv(thread_loop.READ_COALESCE_ENV, "250")
+    assert thread_loop._coalesce_us() == 250
     for bad in ("-1", "0.5", "2000000", "soon"):
-        monkeypatch.setenv(engine_module.READ_COALESCE_ENV, bad)
-        with pytest.raises(ValueError, match=engine_module.READ_COALESCE_ENV):
-            engine_module._coalesce_us()
+        monkeypatch.setenv(thread_loop.READ_COALESCE_ENV, bad)
+        with pytest.raises(ValueError, match=thread_loop.READ_COALESCE_ENV):
+            thread_loop._coalesce_us()
     if _reader is not None:
         with pytest.raises(ValueError, match="coalesce_ns"):
             _reader.Reader(coalesce_ns=-1)

@@ -1,4 +1,4 @@
-"""Issue 17 item 1 end to end: a real TLS reverse proxy (Debian's nginx) in front of a
+"""End to end through a real TLS reverse proxy (Debian's nginx) in front of a
 `calculet-sim`, with a CA and a certificate made here, an API-key check and path
 prefixes (`/llm/` unbuffered, `/buffered/` with a large buffer).
 
@@ -28,7 +28,8 @@ import yaml
 
 from analysis.tables.join import load_run
 from calculet_load.measure import session as session_module
-from calculet_load.measure.client import Outcome, run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt, PromptFactory, http_tokenizer
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -83,7 +84,7 @@ def _access(proxy: Nginx, pki: Pki, prefix: str = "/llm", **kw: object) -> Targe
 
 @pytest.fixture(params=["gevent", "thread"])
 def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The test on both I/O engines (measure.client's gevent, measure.engine's thread)."""
+    """The test on both I/O engines (measure.gevent_engine, measure.thread_engine)."""
     session = functools.partial(session_module.Session, io_engine=request.param)
     monkeypatch.setitem(globals(), "Session", session)
     return str(request.param)
@@ -186,8 +187,8 @@ def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
         # Not coalesced by the client: each token event in a read of its own, but for at
         # most one read that came late enough to take two (the delay bounds below still
         # hold for its first token). On two busy cores the proxy or the scheduler now and
-        # then hands over two tokens together: measured in 1 to 2 of 6 runs, on this tree and
-        # on the one before issue 18's fast path; the pair's flushes were 6.7 ms apart.
+        # then hands over two tokens together: measured in 1 to 2 of 6 runs, with and without
+        # the event stream's fast path; the pair's flushes were 6.7 ms apart.
         shared.append(len(client) - o.event_reads)
         assert o.max_events_per_read <= 3 and shared[-1] <= 1, (shared, np.diff(server) / 1e6)
     print(
@@ -219,7 +220,7 @@ _PATCHED = """
 import gevent.monkey
 gevent.monkey.patch_all()
 import json, sys
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.prompts import PromptFactory, http_tokenizer
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.schema.access import TargetAccess

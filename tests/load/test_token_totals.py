@@ -1,4 +1,4 @@
-"""A request's count is its confirmed total (measure.response `conclude`): the server's
+"""A request's count is its confirmed total (measure.request_state `conclude`): the server's
 final total where a complete response carried one, else the per-event counts' sum; the
 per-event counts are kept, and flagged where they disagree with the total beyond the
 declared slack. Then the live figures (the LLM tab, Prometheus, Locust's table) count the
@@ -11,9 +11,10 @@ import pytest
 from calculet_load.clock import FakeClock
 from calculet_load.locust.livestats import LiveStats
 from calculet_load.locust.llmstats import AGGREGATED, LLMTable
+from calculet_load.measure.outcome import Outcome
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.protocols import adapter_for
-from calculet_load.measure.response import Outcome, Run, conclude
+from calculet_load.measure.request_state import Run, conclude
 from calculet_load.measure.session import RequestSpec, RunContext, make_record
 
 

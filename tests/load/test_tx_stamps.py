@@ -23,19 +23,14 @@ from typing import Any
 import pytest
 
 from calculet_load.clock import SystemClock
-from calculet_load.measure import engine as engine_module
-from calculet_load.measure import txstamps
-from calculet_load.measure.client import (
-    ConnectionPool,
-    Endpoint,
-    Outcome,
-    Timeouts,
-    execute,
-    run_in_greenlet,
-)
-from calculet_load.measure.engine import EnginePool, execute_threaded
+from calculet_load.measure import gevent_engine, thread_engine, thread_loop, txstamps
+from calculet_load.measure.connections import Endpoint
+from calculet_load.measure.gevent_engine import GeventPool
+from calculet_load.measure.io_engines import IOEngine, run_in_greenlet
+from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.session import clock_complete
+from calculet_load.measure.thread_engine import ThreadPool
 from calculet_load.measure.txstamps import TxStamps, sent_stamp
 
 pytestmark = [
@@ -104,7 +99,7 @@ class SlowReader:
 
 @pytest.fixture(params=["gevent", "thread", "thread-loop"])
 def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(engine_module, "READ_NATIVELY", request.param == "thread")
+    monkeypatch.setattr(thread_loop, "READ_NATIVELY", request.param == "thread")
     return str(request.param)
 
 
@@ -114,16 +109,12 @@ def _send(engine: str, port: int, n: int = 1, words: int = BODY_WORDS) -> list[O
     body = ADAPTER.body(" w" * words, 2, stream=True, model=None, temperature=0.0, seed=None,
                         ignore_eos=True)  # fmt: skip
     timeouts = Timeouts(connect_s=5.0, first_byte_s=10.0, idle_s=10.0, total_s=20.0)
-    if engine == "gevent":
-        pool: Any = ConnectionPool(endpoint, 1)
-        run: Any = execute
-    else:
-        pool, run = EnginePool(endpoint, 1), execute_threaded
+    pool: IOEngine = (GeventPool if engine == "gevent" else ThreadPool)(endpoint, 1)
 
     def go() -> list[Outcome]:
         try:
             return [
-                run(pool, ADAPTER, body, f"tx-{i}", stream=True, timeouts=timeouts)
+                pool.execute(ADAPTER, body, f"tx-{i}", stream=True, timeouts=timeouts)
                 for i in range(n)
             ]
         finally:
@@ -179,10 +170,8 @@ def test_a_receive_stamp_before_a_late_user_space_t1_is_kept(
     while the server answers at once. The head's kernel stamp, before t1, is kept: t2 is
     not raised to t1, the record says t1 was late, and the stamps still count as
     complete."""
-    monkeypatch.setattr(engine_module, "ask_send_stamps", lambda sock: None)
-    import calculet_load.measure.client as client_module
-
-    monkeypatch.setattr(client_module, "ask_send_stamps", lambda sock: None)
+    monkeypatch.setattr(thread_engine, "ask_send_stamps", lambda sock: None)
+    monkeypatch.setattr(gevent_engine, "ask_send_stamps", lambda sock: None)
     hold = _hold_after_send(engine, monkeypatch)
     server = SlowReader(read_after_s=0.0, head_after_s=0.0)
     (out,) = _send(engine, server.port, words=10)
@@ -204,21 +193,19 @@ def _hold_after_send(engine: str, monkeypatch: pytest.MonkeyPatch) -> float:
     if engine == "gevent":
         import gevent.socket as gsocket
 
-        import calculet_load.measure.client as client_module
-
         def held_sendall(self: Any, data: bytes, *args: Any) -> None:
             gsocket.socket.sendall(self, data, *args)
             time.sleep(hold)  # blocks the hub as well: no read meanwhile
 
-        monkeypatch.setattr(client_module._Conn, "sendall", held_sendall, raising=False)
+        monkeypatch.setattr(gevent_engine._Conn, "sendall", held_sendall, raising=False)
     else:
-        real_send = engine_module._send_all
+        real_send = thread_engine._send_all
 
         async def held(*args: Any) -> None:
             await real_send(*args)
             time.sleep(hold)  # blocks the engine's loop: no read meanwhile
 
-        monkeypatch.setattr(engine_module, "_send_all", held)
+        monkeypatch.setattr(thread_engine, "_send_all", held)
     return hold
 
 
@@ -277,7 +264,7 @@ def test_the_native_reader_reads_the_stamps_that_wake_it(
 ) -> None:
     """A stamp queued on a socket the native reader watches wakes its thread (an error
     to epoll): it reads the queue and keeps the stamp for the engine (`sent`)."""
-    module = engine_module._reader_module()
+    module = thread_loop._reader_module()
     if module is None:
         pytest.skip("the native reader is not built here (measure.native)")
     client, _peer = pair
@@ -307,7 +294,7 @@ def test_the_native_reader_reads_the_stamps_that_wake_it(
 
 def test_a_socket_counts_what_it_sends(pair: tuple[socket.socket, socket.socket]) -> None:
     client, peer = pair
-    conn = engine_module._Conn(fileno=client.detach())
+    conn = thread_engine._Conn(fileno=client.detach())
     conn.tx = txstamps.ask_send_stamps(conn)
     assert conn.tx is not None
     conn.send(b"abc")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.prompts import (
     MIN_ALPHABET,
     Nonce,

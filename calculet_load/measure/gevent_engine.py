@@ -1,8 +1,11 @@
-# size: the gevent engine: endpoint, pool, reads and the request's steps
-"""The timed streaming client on gevent sockets (the default I/O engine; measure.engine
-is the other, a dedicated thread). Both share measure.response: the error taxonomy, the
-per-request state, the response read (h11 for the head, measure.chunked, measure.sse)
-and the outcome's checks; this module does the waiting.
+"""The gevent I/O engine: a request's socket I/O on gevent's sockets, in the greenlet
+that sends it (`--io-engine gevent`; the default is measure.thread_engine). It shares
+with the thread engine everything but the waiting: the target and the pool's bookkeeping
+(measure.connections), the error taxonomy and the outcome (measure.outcome), the
+per-request state and the outcome's checks (measure.request_state), the stamps'
+bookkeeping (measure.rxstamps) and the response read (measure.exchange: h11 for the
+head, measure.chunked, measure.sse). Both are used through one interface
+(measure.io_engines `IOEngine`).
 
 Stamps are taken when bytes leave or arrive: t1 the kernel's transmit time of the
 request's last byte on a plain connection (measure.txstamps; else when it is fully
@@ -20,44 +23,34 @@ sends can crash the caller.
 
 from __future__ import annotations
 
-import errno
-import os
 import socket
 import ssl
-import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import gevent
 import gevent.socket as gsocket
-import gevent.ssl as gssl
-from gevent.monkey import get_original
 
 from calculet_load.clock import Clock, SystemClock
-from calculet_load.measure.biotls import BioTLS
-from calculet_load.measure.protocols import Adapter
-from calculet_load.measure.response import (
-    CMSG_SPACE,
-    ERROR_CLASSES,
+from calculet_load.measure.connections import ConnectionPool, connect_now, stale
+from calculet_load.measure.exchange import prepare, respond, wire
+from calculet_load.measure.outcome import (
     OUTPUT_SLACK_TOKENS,
     CancelAt,
     Fail,
     OnToken,
     Outcome,
     PoolExhausted,
-    Reads,
-    Run,
     Timeouts,
-    ask_kernel_stamps,
-    conclude,
     connect_fail,
     fail_into,
-    prepare,
-    respond,
     run_stopped,
-    wire,
 )
+from calculet_load.measure.protocols import Adapter
+from calculet_load.measure.request_state import Run, conclude
+from calculet_load.measure.rxstamps import CMSG_SPACE, Reads, ask_kernel_stamps
+from calculet_load.measure.selfwatch import sleep_until
 from calculet_load.measure.txstamps import (
     Counted,
     TxStamps,
@@ -65,41 +58,6 @@ from calculet_load.measure.txstamps import (
     drain_of,
     settle_t1,
 )
-from calculet_load.schema.access import TargetAccess, access_of
-
-__all__ = [
-    "ERROR_CLASSES",
-    "OUTPUT_SLACK_TOKENS",
-    "CancelAt",
-    "ConnectionPool",
-    "Endpoint",
-    "OnToken",
-    "Outcome",
-    "PoolExhausted",
-    "Timeouts",
-    "execute",
-    "run_in_greenlet",
-]
-
-T = TypeVar("T")
-# the standard library's, whatever gevent's monkey-patching replaced: the thread engine's
-# sockets are not gevent's, and a pool's liveness check must not wait
-_select = get_original("select", "select")
-_SSLContext = get_original("ssl", "SSLContext")
-
-
-def _plain_tls_context(cafile: str | None = None) -> ssl.SSLContext:
-    """ssl.create_default_context's client context, of the standard library's class
-    (with its SSLKEYLOGFILE: the TLS keys for a capture's reader, where it is set)."""
-    ctx: ssl.SSLContext = _SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if cafile:
-        ctx.load_verify_locations(cafile)
-    else:
-        ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
-    keylog = os.environ.get("SSLKEYLOGFILE")
-    if keylog and not sys.flags.ignore_environment:
-        ctx.keylog_filename = keylog
-    return ctx
 
 
 class _Conn(Counted, gsocket.socket):  # type: ignore[misc]
@@ -112,97 +70,14 @@ class _Conn(Counted, gsocket.socket):  # type: ignore[misc]
 _TIMEOUTS = Timeouts()
 
 
-class Endpoint:
-    """Where requests go: a URL (http or https, with a base path) or a TargetAccess
-    (TLS settings, headers, API key); a ValueError when unusable."""
-
-    def __init__(self, target: str | TargetAccess) -> None:
-        self.access = access_of(target)
-        self.host = self.access.host
-        self.port = self.access.port
-        self.authority = self.access.authority
-        self.url = self.access.url
-        # gevent's context: its sockets wait cooperatively in the handshake and reads
-        self.tls = self.access.ssl_context(gssl.create_default_context)
-        self.headers = self.access.request_headers()
-        self._addr: tuple[int, Any] | None = None
-        self._plain_tls: ssl.SSLContext | None = None
-
-    def plain_tls(self) -> ssl.SSLContext | None:
-        """The same TLS settings in the standard library's context (the thread engine's
-        non-blocking sockets; gevent's monkey-patching does not reach it)."""
-        if self.access.tls and self._plain_tls is None:
-            self._plain_tls = self.access.ssl_context(_plain_tls_context)
-        return self._plain_tls
-
-    def path(self, path: str) -> str:
-        """A server path under the URL's base path (schema.access)."""
-        return self.access.path(path)
-
-    def address(self) -> tuple[int, Any]:
-        """(family, sockaddr), resolved once: a name lookup per connection would add
-        milliseconds (gevent's resolver runs in a thread pool) to the first request."""
-        if self._addr is None:
-            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-            family, _, _, _, sockaddr = infos[0]
-            self._addr = (family, sockaddr)
-        return self._addr
-
-
-_IN_PROGRESS = (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY)
-
-
-def connect_now(sock: socket.socket, sockaddr: Any) -> bool:
-    """Start connecting the non-blocking `sock`: True when the kernel has connected it by
-    the time `connect` returns (on loopback and on the same host it usually has: the
-    handshake runs inside the call), False when the handshake goes on (the caller waits
-    for the socket to be writable). A refused or failed connect raises OSError.
-
-    Why not wait in any case: a wait hands the thread to its loop (the engine's, or
-    gevent's hub, whose own `connect` always waits after EINPROGRESS), and the loop's
-    other work would count as the connect's (`ext.connect_ms`, which the self-check
-    leaves out of a new connection's start-to-sent time) and delay the request: with
-    `asyncio.wait_for(loop.sock_connect(...))` 13-100 ms between the start stamp and the
-    send at 320 req/s on one core (`benchmarks/client_speed.py`)."""
-    err = sock.connect_ex(sockaddr)
-    if err in _IN_PROGRESS:
-        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if not err:
-            try:
-                sock.getpeername()  # connected already (ENOTCONN: the handshake goes on)
-            except OSError:
-                return False
-            return True
-    if err:
-        raise OSError(err, os.strerror(err))  # ConnectionRefusedError and the like
-    return True
-
-
-class ConnectionPool:
-    """Keep-alive connections to one endpoint, at most `max_connections` open."""
-
-    def __init__(self, endpoint: Endpoint, max_connections: int) -> None:
-        self.endpoint = endpoint
-        self.max_connections = max_connections
-        self._idle: list[socket.socket] = []
-        self.open = 0
+class GeventPool(ConnectionPool):
+    """The gevent engine's keep-alive connections to one endpoint (gevent's sockets), at
+    most `max_connections` open, and the requests sent over them (`execute`)."""
 
     def acquire(self, connect_timeout: float, fresh: bool = False) -> tuple[socket.socket, bool]:
         """An idle connection (reused) or a new one; `fresh`: a new one in any case."""
         sock = self.take(fresh)
         return (sock, True) if sock is not None else (self._connect(connect_timeout), False)
-
-    def take(self, fresh: bool) -> socket.socket | None:
-        """An idle connection still open, or None when a new one may be opened
-        (PoolExhausted when the cap is reached)."""
-        while self._idle and not fresh:
-            sock = self._idle.pop()
-            if _alive(sock):
-                return sock
-            self._discard(sock)
-        if self.open >= self.max_connections:
-            raise PoolExhausted
-        return None
 
     def _connect(self, connect_timeout: float) -> socket.socket:
         self.open += 1
@@ -242,106 +117,65 @@ class ConnectionPool:
             opened += 1
         return opened
 
-    def release(self, sock: socket.socket, reusable: bool) -> None:
-        if reusable:
-            self._idle.append(sock)
-        else:
-            self._discard(sock)
+    def execute(
+        self,
+        adapter: Adapter,
+        body: dict[str, Any],
+        request_id: str,
+        *,
+        stream: bool,
+        timeouts: Timeouts | None = None,
+        clock: Clock | None = None,
+        cancel: CancelAt = None,
+        extra_headers: dict[str, str] | None = None,
+        on_token: OnToken | None = None,
+        max_tokens: int | None = None,
+        output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
+        count_text: Callable[[str], int] | None = None,
+        keep_text: bool = False,
+        send_at_ns: int | None = None,
+    ) -> Outcome:
+        """Run one request and return its outcome; never raises for a server's behaviour.
 
-    def _discard(self, sock: socket.socket) -> None:
-        self.open -= 1
-        sock.close()
+        `on_token` is called for each event that carries generated tokens, right after it
+        is counted (on the reading greenlet: it must be cheap), with its text where
+        `keep_text` (which also keeps the whole generated text in the outcome). With
+        `max_tokens`, an output (the client's count or the server's total) above it plus
+        `output_slack_tokens` is flagged as a count anomaly. `count_text` (a local
+        tokenizer's count) counts the tokens of each event that comes with text and no
+        count from the server. `send_at_ns`: the monotonic instant to send at, waited for
+        here (with the system clock) when the caller hands the request over before it.
 
-    def close(self) -> None:
-        while self._idle:
-            self._discard(self._idle.pop())
-
-
-def _alive(sock: socket.socket) -> bool:
-    """An idle keep-alive connection is reusable if it has nothing to read (no EOF)."""
-    if isinstance(sock, (ssl.SSLSocket, BioTLS)):
-        # no MSG_PEEK through TLS: anything readable (a close_notify, EOF, stray bytes)
-        # means the connection is not reusable
-        if sock.pending():
-            return False
-        try:
-            readable, _, _ = _select([sock.fileno()], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
-    # Timeout 0: gevent must not wait for readability here, it must answer at once. Set
-    # only when it is not already (the thread engine's sockets are non-blocking): setting
-    # it is two fcntl calls with the interpreter lock released, after which the engine's
-    # thread waited for the lock (5 % of its samples at 320 req/s, py-spy)
-    if sock.gettimeout() != 0.0:
-        sock.settimeout(0.0)
-    try:
-        sock.recv(1, socket.MSG_PEEK)
-    except (BlockingIOError, TimeoutError):
-        return True
-    except OSError:
-        return False
-    return False  # b"" = the server closed it; bytes = stray data, not reusable
-
-
-def execute(
-    pool: ConnectionPool,
-    adapter: Adapter,
-    body: dict[str, Any],
-    request_id: str,
-    *,
-    stream: bool,
-    timeouts: Timeouts = _TIMEOUTS,
-    clock: Clock | None = None,
-    cancel: CancelAt = None,
-    extra_headers: dict[str, str] | None = None,
-    on_token: OnToken | None = None,
-    max_tokens: int | None = None,
-    output_slack_tokens: int = OUTPUT_SLACK_TOKENS,
-    count_text: Callable[[str], int] | None = None,
-    keep_text: bool = False,
-) -> Outcome:
-    """Run one request and return its outcome; never raises for a server's behaviour.
-
-    `on_token` is called for each event that carries generated tokens, right after it is
-    counted (on the reading greenlet: it must be cheap), with its text where `keep_text`
-    (which also keeps the whole generated text in the outcome). With `max_tokens`, an output
-    (the client's count or the server's total) above it plus `output_slack_tokens` is
-    flagged as a count anomaly. `count_text` (a local tokenizer's count) counts the
-    tokens of each event that comes with text and no count from the server.
-
-    A kept-alive connection the server closed while the request went out (it answered
-    not a byte: llama.cpp closes every connection after a streamed response, any server
-    may at its keep-alive timeout) is the connection's failure, not the server's answer
-    to this request: the request is sent once more on a new connection, timed from that
-    send, and the outcome says so (`stale_retry`). A new connection that fails the same
-    way is an error like any other."""
-    request = prepare(pool.endpoint, adapter, body, request_id, stream, extra_headers)
-    kw = dict(
-        stream=stream,
-        timeouts=timeouts,
-        clock=clock or SystemClock(),
-        cancel=cancel,
-        on_token=on_token,
-        max_tokens=max_tokens,
-        output_slack_tokens=output_slack_tokens,
-        count_text=count_text,
-        keep_text=keep_text,
-    )
-    out = _attempt(pool, adapter, request, request_id, fresh=False, **kw)  # type: ignore[arg-type]
-    if stale(out):
-        out = _attempt(pool, adapter, request, request_id, fresh=True, **kw)  # type: ignore[arg-type]
-        out.stale_retry = True
-    return out
-
-
-def stale(out: Outcome) -> bool:
-    """A kept-alive connection that answered not a byte: send once more on a new one."""
-    return bool(out.connection_reused and out.unanswered and out.error_class == "connection_reset")
+        A kept-alive connection the server closed while the request went out (it
+        answered not a byte: llama.cpp closes every connection after a streamed
+        response, any server may at its keep-alive timeout) is the connection's failure,
+        not the server's answer to this request: the request is sent once more on a new
+        connection, timed from that send, and the outcome says so (`stale_retry`). A new
+        connection that fails the same way is an error like any other."""
+        request = prepare(self.endpoint, adapter, body, request_id, stream, extra_headers)
+        clock = clock or SystemClock()
+        if send_at_ns is not None and type(clock) is SystemClock:
+            sleep_until(send_at_ns)  # the open loop's intended time (at once when past)
+        kw = dict(
+            stream=stream,
+            timeouts=timeouts or _TIMEOUTS,
+            clock=clock,
+            cancel=cancel,
+            on_token=on_token,
+            max_tokens=max_tokens,
+            output_slack_tokens=output_slack_tokens,
+            count_text=count_text,
+            keep_text=keep_text,
+        )
+        out = _attempt(self, adapter, request, request_id, fresh=False, **kw)  # type: ignore[arg-type]
+        if stale(out):
+            out = _attempt(self, adapter, request, request_id, fresh=True, **kw)  # type: ignore[arg-type]
+            out.stale_retry = True
+        return out
 
 
 def _attempt(
-    pool: ConnectionPool,
+    pool: GeventPool,
     adapter: Adapter,
     request: tuple[str, list[tuple[str, str]], bytes],
     request_id: str,
@@ -510,13 +344,3 @@ def _read(
     finally:
         if rd.io is not None:
             rd.io.close()  # the response's own watcher (`_Reader._receive`)
-
-
-def run_in_greenlet(fn: Callable[[], T]) -> T:
-    """Run a call in its own greenlet (for callers outside a gevent loop)."""
-    g = gevent.spawn(fn)
-    g.join()
-    if g.exception is not None:
-        raise g.exception
-    value: T = g.value
-    return value
