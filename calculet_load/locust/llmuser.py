@@ -124,6 +124,11 @@ class LLMStream:
                     done = True
                     return
                 yield item
+        except gevent.GreenletExit:
+            # the run's stop killed the reader while it waited for an event: the stream
+            # is cut by the stop, not cancelled by the task
+            self._cancel.stop_run()
+            raise
         finally:
             # The reader left early: end the stream (at its next event). No wait here:
             # a generator is closed when it is dropped, where switching greenlets is not

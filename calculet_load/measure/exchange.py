@@ -170,6 +170,9 @@ def _feed_sse(run: Run, data: bytes, t: int, cancel: CancelAt) -> None:
 
 def _cancelled(run: Run, cancel: CancelAt) -> None:
     out = run.out
+    if isinstance(cancel, StreamCancel) and cancel.at_stop:
+        out.cancelled_at = "run_stop"
+        raise Fail("cancelled", "cut when the run stopped")
     out.cancelled_at = "first_token" if cancel == "first_token" else "mid_stream"
     raise Fail("cancelled", f"cancelled at {out.cancelled_at}")
 

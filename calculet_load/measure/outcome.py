@@ -61,13 +61,19 @@ class StreamCancel:
     tokens arrived. Either way the request is recorded `cancelled`, with its tokens so
     far."""
 
-    __slots__ = ("after_tokens", "requested")
+    __slots__ = ("after_tokens", "at_stop", "requested")
 
     def __init__(self, after_tokens: int | None = None) -> None:
         self.after_tokens = after_tokens
         self.requested = False
+        self.at_stop = False
 
     def cancel(self) -> None:
+        self.requested = True
+
+    def stop_run(self) -> None:
+        """The run stopped the stream's reader: end it, recorded as cut at the run's stop."""
+        self.at_stop = True
         self.requested = True
 
     def due(self, tokens: int) -> bool:

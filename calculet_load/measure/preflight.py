@@ -24,7 +24,7 @@ from calculet_load.measure.outcome import Outcome, Timeouts
 from calculet_load.measure.protocols import Adapter, adapter_for
 from calculet_load.schema.access import TargetAccess
 
-REQUEST_ID = REQUEST_ID  # its X-Request-Id: a proxy or a server can tell it apart
+REQUEST_ID = "calculet-preflight"  # its X-Request-Id: a proxy or a server can tell it apart
 TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=30.0, idle_s=30.0, total_s=60.0)
 # What an answer that is not an LLM endpoint's means of the target, by error class. An
 # HTTP error with a JSON error body ({"error": ...}) is an LLM server's answer (a model it
@@ -65,9 +65,7 @@ def _send(access: TargetAccess, adapter: Adapter, body: dict[str, Any]) -> Outco
     pool = GeventPool(Endpoint(access), 1)
     try:
         return run_in_greenlet(
-            lambda: pool.execute(
-                adapter, body, REQUEST_ID, stream=True, timeouts=TIMEOUTS
-            )
+            lambda: pool.execute(adapter, body, REQUEST_ID, stream=True, timeouts=TIMEOUTS)
         )
     finally:
         pool.close()
