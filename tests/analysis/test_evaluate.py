@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze
-from tests.analysis.runs import MS, RunBuilder, device_row, request
+from tests.support.runs import MS, RunBuilder, device_row, request
 
 N = 60
 

@@ -18,7 +18,7 @@ from calculet_load.schema.selfwatch import (
     SATURATED_CPU_PERCENT,
     SATURATED_LAG_MS,
 )
-from tests.analysis.runs import MS, WALL0, RunBuilder, request, selfwatch
+from tests.support.runs import MS, WALL0, RunBuilder, request, selfwatch
 
 S = 1_000 * MS
 

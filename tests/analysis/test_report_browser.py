@@ -36,8 +36,8 @@ from analysis.views.model import fmt_num
 from tests.analysis.test_report import CHROMEDRIVER, CHROMIUM, Page, banner_code
 from tests.analysis.test_report import check_self_contained as self_contained
 from tests.conftest import REPO
-from tests.load.locustproc import LocustRun
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 # the regression report compares two real-time runs, and short Locust runs lose requests
 # on a busy machine: quiet (after the parallel phase, beside one other file at most)
@@ -107,7 +107,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         soak = subprocess.Popen(
             _cli("soak", "--manifest", str(MANIFEST), "--url", soak_sim.url,
                  "--run-dir", str(soak_dir), "--rules",
-                 str(REPO / "tests/load/data/soak-rules.yaml"), "--stage", "dev",
+                 str(REPO / "tests/data/soak-rules.yaml"), "--stage", "dev",
                  "--duration-scale", "0.15", "--target-rate", "0.25"),
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -17,8 +17,8 @@ from analysis.judge.rules import DEFAULT_RULES, load_rules
 from analysis.report import write_report
 from calculet_load.soak.judge import STAGE_RULES, _rule_condition, endurance_note
 from calculet_load.soak.stage import load_stage
-from tests.analysis.runs import MS, WALL0, RunBuilder, device_row, request
 from tests.analysis.test_report import Page
+from tests.support.runs import MS, WALL0, RunBuilder, device_row, request
 
 S = 1000 * MS
 

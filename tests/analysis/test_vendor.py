@@ -20,8 +20,8 @@ from analysis.report import write_report
 from analysis.tables.join import load_run
 from analysis.tables.vendor import GRAPH_SERVICE_ONLY
 from calculet_load.cli import main
-from tests.analysis.runs import MS, WALL0, RunBuilder, device_row, request, server_chain, step_row
 from tests.analysis.test_report import Page
+from tests.support.runs import MS, WALL0, RunBuilder, device_row, request, server_chain, step_row
 
 SENTENCE = "graph/service level only (§17)"
 

@@ -23,9 +23,9 @@ from calculet_load.locust.options import OPTIONS, convert
 from calculet_load.ranges import Number
 from calculet_load.workload.matrix import MatrixError, parse_matrix
 from calculet_load.workload.mixes import MixError, parse_mix
-from tests.load.locustproc import LOCUSTFILE
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support.locustproc import LOCUSTFILE
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,7 @@ import pytest
 
 from calculet_load.measure.engine import READ_COALESCE_US, reads_natively
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_short_points_of_both_clients(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ from types import ModuleType
 
 import pytest
 
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S, REPORT_S = 1.0, 3.0  # locust.runners' HEARTBEAT_INTERVAL, WORKER_REPORT_INTERVAL
 
 

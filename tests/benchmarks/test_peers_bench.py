@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data" / "peers"
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data" / "peers"
 sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks import each other by name
 peers = importlib.import_module("peers")
 

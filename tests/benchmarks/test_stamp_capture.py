@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
-from tests.load.tlsproxy import nginx_binary
+from tests.support.tlsproxy import nginx_binary
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks import each other by name
 from capturekit import Errors

@@ -1,5 +1,5 @@
 """docker-compose.yml and the Dockerfile, checked without a Docker engine (the `accept`
-profile here too; `metrics` in tests/test_compose_metrics.py).
+profile here too; `metrics` in tests/containers/test_compose_metrics.py).
 
 The file is read as data and held to what the containers need (one image, the shared
 `runs` volume, service names used as host names, published ports). Every option its
@@ -27,13 +27,13 @@ import yaml
 
 from calculet_load.measure import native
 from calculet_load.schema.runfolder import read_records
-from tests.ports import free_port
+from tests.support.ports import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 # the three calculet services; profile services (Prometheus, Grafana: `metrics`) are
-# checked in tests/test_compose_metrics.py
+# checked in tests/containers/test_compose_metrics.py
 SERVICES: dict[str, dict[str, Any]] = {
     n: s for n, s in COMPOSE["services"].items() if "profiles" not in s
 }

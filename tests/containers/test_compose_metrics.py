@@ -6,7 +6,7 @@ listen on, Grafana's provisioning names the datasource the dashboard refers to a
 folder the dashboard is mounted in, and the dashboard is a well-formed Grafana model
 whose PromQL parses into known functions. `promtool check config` runs when promtool is
 on PATH. That the dashboard reads only series the exporters produce is checked live in
-tests/load/test_metrics_live.py.
+tests/locust/test_metrics_live.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import dashboard as dash_mod
+from tests.support import dashboard as dash_mod
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 PROMETHEUS_YML = REPO / "deploy" / "prometheus" / "prometheus.yml"

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.load.test_soak import bounded_rules
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.drivers.soak.test_soak import bounded_rules
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 DEPLOY = REPO / "deploy" / "soak"

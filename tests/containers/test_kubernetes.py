@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 KUBE = REPO / "deploy" / "kubernetes"
 K8S_VERSION = "1.30.0"  # the oldest release still in upstream support when written

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COMMAND = re.compile(  # a command at the start of a line of a shell block
     r"^\s*(?:\$ )?(?:\.venv/bin/)?(calculet-load|calculet-sim|locust)\b"

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PORTS = (r"127\.0\.0\.1:(\d{4})\b", r"--port (\d{4})\b")
 
 

@@ -18,8 +18,8 @@ import pytest
 
 from calculet_load.locust.accuracy import Accuracy, check_reports
 from calculet_load.schema.records import ClientNs, Ext, RequestRecord
-from tests.load.locustproc import REPO, LocustRun
-from tests.load.starver import STARVER
+from tests.support.locustproc import REPO, LocustRun
+from tests.support.starver import STARVER
 
 EXACT_SERVER = REPO / "benchmarks" / "exact_server.py"
 
@@ -219,7 +219,7 @@ def test_a_server_that_writes_tokens_in_bursts_passes_and_a_starved_client_does_
     every request's first-token late bound is about the TTFT (30 ms, over the 10-ms
     budget) while its stamp is exact: the run passes (exit 0), its TTFTs within 2 ms of
     the server's own send times. The same run with its process stopped 100 ms in every
-    110 (tests.load.starver) reads late: its stamps and sends are late, and it exits 3.
+    110 (tests.support.starver) reads late: its stamps and sends are late, and it exits 3.
     (Which figures name it depends on where the 1-Hz self-watch samples fell: the late
     bound counts only under one that saw the stall.)"""
     calm = LocustRun(tmp_path, burst_server, ARGS, workers=0, run_time_s=5).start()

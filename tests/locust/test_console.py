@@ -1,6 +1,6 @@
 """The headless console: the LLM table after each of Locust's request tables, and the
 self-check's verdict line (calculet_load.locust.console, llmreport.console_lines,
-accuracy.verdict_line). A real headless run's console: tests/load/test_locust_llm.py."""
+accuracy.verdict_line). A real headless run's console: tests/locust/test_locust_llm.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from calculet_load.locust.console import STATS_LOGGER, BesideLocust
 from calculet_load.locust.llmreport import console_lines
 from calculet_load.locust.llmstats import LLMTable
 from calculet_load.schema.records import TokenEvent
-from tests.analysis.runs import MS, request
-from tests.load.test_accuracy import _record
+from tests.locust.test_accuracy import _record
+from tests.support.runs import MS, request
 
 
 class Lines(logging.Handler):

@@ -1,6 +1,6 @@
 """Locust's Edit dialog on a running run (calculet_load.locust.edit): what may change
 live in which run, and one line naming every parameter that cannot. In a browser:
-tests/load/test_webui.py."""
+tests/locust/test_webui.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from calculet_load.schema.liveseries import (
     read_live_series,
 )
 from calculet_load.schema.records import SchemaVersionError, TokenEvent
-from tests.analysis.runs import MS, request
+from tests.support.runs import MS, request
 
 S = 1_000_000_000
 

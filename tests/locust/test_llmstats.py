@@ -21,7 +21,7 @@ from calculet_load.locust.llmreport import (
 )
 from calculet_load.locust.llmstats import AGGREGATED, LLMTable, cell_name, itl_gaps
 from calculet_load.schema.records import TokenEvent
-from tests.analysis.runs import MS, request
+from tests.support.runs import MS, request
 
 
 def _ev(i: int, t_ms: int, tokens: int) -> TokenEvent:

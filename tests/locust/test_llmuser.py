@@ -25,13 +25,13 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 
-from tests.load.locustproc import LocustRun
-from tests.simproc import SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = Path(__file__).parent / "data" / "llmusers"
+DATA = Path(__file__).parents[1] / "data" / "llmusers"
 EXAMPLES = REPO / "locustfiles" / "examples"
 CLI = str(Path(sys.executable).parent / "calculet-load")
 

@@ -18,8 +18,8 @@ import pytest
 from scipy import stats
 
 from calculet_load.workload.arrivals import intended_times
-from tests.load.locustproc import LocustRun
-from tests.simproc import PATIENT_QUEUE, SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import PATIENT_QUEUE, SimProcess
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -125,7 +125,7 @@ def test_open_loop_poisson_across_two_workers(
     # The tail's size is the machine's: in the parallel phase, a dozen other processes on
     # 2 cores, both workers' sends stalled together for up to 1.1 s (P99 0.69-0.81 s),
     # their self-watch seeing a 50-ms loop lag at 12 % CPU: starved, not busy. The
-    # client's own check flags such a run (send_lag, exit 3; tests/load/test_accuracy.py).
+    # client's own check flags such a run (send_lag, exit 3; tests/locust/test_accuracy.py).
     lag = np.array([x for x in _col(t, "ext.send_lag_ms") if x is not None])
     late = sorted(
         (round(x, 1), round((i - origin_mono) / 1e9, 3), w)

@@ -30,9 +30,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from calculet_load.locust.llmstats import AGGREGATED
-from tests.load.locustproc import LOCUSTFILE
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support.locustproc import LOCUSTFILE
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from calculet_load.measure import native
-from tests.load.locustproc import LOCUSTFILE
-from tests.simproc import SimProcess
+from tests.support.locustproc import LOCUSTFILE
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,9 +61,9 @@ def test_a_closed_loop_against_a_target_that_went_down_pauses_between_refusals(
     that saturated itself."""
     import pyarrow.parquet as pq
 
-    from tests.llamacpp import tokenizer_path
-    from tests.load.hostile import RESET, serve
-    from tests.load.test_hostile import SHORT_LLAMA, http
+    from tests.measure.test_hostile import SHORT_LLAMA, http
+    from tests.support.hostile import RESET, serve
+    from tests.support.llamacpp import tokenizer_path
 
     run_dir = tmp_path / "run"
     with serve([http(SHORT_LLAMA)], [RESET]) as srv:

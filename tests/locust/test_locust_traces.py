@@ -19,8 +19,8 @@ import yaml
 from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
 from calculet_load.target.traces import TraceWindow, _NotJsonLines, _select
-from tests.load.locustproc import REPO, LocustRun
-from tests.simproc import SimProcess
+from tests.support.locustproc import REPO, LocustRun
+from tests.support.simproc import SimProcess
 
 LOAD = ["-u", "2", "-r", "2", "--prompt-tokens", "64", "--max-tokens", "8", "--seed", "7"]
 SERVER_MS = ("queue", "prefill", "postprocess", "sampling")
@@ -103,12 +103,12 @@ def test_a_distributed_locust_run_fetches_the_traces_and_analyze_and_export_join
 
 @pytest.fixture
 def proxied(tmp_path: Path, start_sim: Callable[..., SimProcess]) -> Iterator[Callable[[str], str]]:
-    """`proxy(traces)`: the URL of the simulator behind tests.load.traceless."""
+    """`proxy(traces)`: the URL of the simulator behind tests.support.traceless."""
     sim = start_sim("--time-scale", "0.05")
     procs: list[subprocess.Popen[bytes]] = []
 
     def proxy(traces: str) -> str:
-        cmd = [sys.executable, "-m", "tests.load.traceless", sim.url, "--traces", traces]
+        cmd = [sys.executable, "-m", "tests.support.traceless", sim.url, "--traces", traces]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=REPO)
         procs.append(p)
         assert p.stdout is not None

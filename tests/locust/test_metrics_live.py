@@ -20,10 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tests import dashboard
-from tests.load.locustproc import LocustRun
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support import dashboard
+from tests.support.locustproc import LocustRun
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(180)
 

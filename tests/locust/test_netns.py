@@ -9,7 +9,7 @@ machine. Everything is removed at the end, also when the test fails.
 
 Delay and jitter: this kernel has no netem (`tc qdisc add … netem` fails with
 "Specified qdisc kind is unknown"), so the workers' path to the target goes through a
-small userspace TCP relay (tests/load/netrelay.py): 50 ms each way, and ± 20 ms on the way
+small userspace TCP relay (tests/support/netrelay.py): 50 ms each way, and ± 20 ms on the way
 back, the sign seeded and balanced per client connection. The relay cannot delay the TCP
 handshake, so the recorded connect round trip stays small; the /health round trip must
 be 100 ms ± 10 % with a jitter (standard deviation) of 20 ms ± 10 %.
@@ -44,9 +44,9 @@ import pytest
 
 from calculet_load.clock import TEST_WALL_SHIFT_ENV, ClockAnchor, SystemClock
 from calculet_load.workload.arrivals import intended_times
-from tests.load.locustproc import LOCUSTFILE, REPO
-from tests.ports import free_port
-from tests.simproc import PATIENT_QUEUE, SimProcess
+from tests.support.locustproc import LOCUSTFILE, REPO
+from tests.support.ports import free_port
+from tests.support.simproc import PATIENT_QUEUE, SimProcess
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]  # relay delays, clock offsets
 
@@ -163,7 +163,7 @@ class Procs:
 def _relay(tmp: Path, listen: str, to: str) -> subprocess.Popen[bytes]:
     # the relay plays the network: above the busy machine's other processes (as netem,
     # in the kernel, would be), so its own scheduling delay stays out of the figures
-    cmd = ["nice", "-n", "-15", sys.executable, "-m", "tests.load.netrelay",
+    cmd = ["nice", "-n", "-15", sys.executable, "-m", "tests.support.netrelay",
            "--listen", f"{listen}:0", "--to", to, "--delay-ms", str(DELAY_MS),
            "--jitter-ms", str(JITTER_MS), "--seed", str(SEED), "--max-s", "200"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)

@@ -40,7 +40,7 @@ from calculet_load.target.scrape import (
     sample_process,
     sampler_for_run,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 
 def _rec(

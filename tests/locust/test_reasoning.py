@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.load.locustproc import LocustRun
-from tests.simproc import SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.load.hostile import RESET, serve
-from tests.load.locustproc import LOCUSTFILE
-from tests.load.test_hostile import SHORT_LLAMA
-from tests.load.test_hostile import http as http_response
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.measure.test_hostile import SHORT_LLAMA
+from tests.measure.test_hostile import http as http_response
+from tests.support.hostile import RESET, serve
+from tests.support.locustproc import LOCUSTFILE
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 
-WRITTEN = Path(__file__).parent / "data" / "llmusers" / "written_prompt.py"
+WRITTEN = Path(__file__).parents[1] / "data" / "llmusers" / "written_prompt.py"
 
 
 def _locust(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.load.locustproc import LOCUSTFILE, REPO
+from tests.support.locustproc import LOCUSTFILE, REPO
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -33,8 +33,8 @@ import pytest
 
 from calculet_load.schema.liveseries import read_live_series
 from calculet_load.schema.runfolder import read_records
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

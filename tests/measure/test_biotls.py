@@ -30,7 +30,7 @@ from calculet_load.measure.response import (
     kernel_ns,
 )
 from calculet_load.schema.access import TargetAccess
-from tests.load.tlsproxy import Pki, make_pki
+from tests.support.tlsproxy import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(60)
 

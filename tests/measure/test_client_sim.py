@@ -26,8 +26,8 @@ from calculet_load.measure.client import (
 )
 from calculet_load.measure.durations import durations
 from calculet_load.measure.protocols import adapter_for
-from tests.sim.helpers import prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import prompt_ids
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 

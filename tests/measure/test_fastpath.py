@@ -194,7 +194,7 @@ def read_response(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Read the response from `reads` as an engine would (`ask`: more request headers);
     the verdict (("end", reusable), ("fail", class, detail, code, raw) or ("more",)) and
-    the outcome. tests/load/test_hostile.py and test_native.py read with it too."""
+    the outcome. tests/measure/test_hostile.py and test_native.py read with it too."""
     clock = FakeClock()
     out = Outcome("req-1")
     run = Run(adapter, out, clock, stream)

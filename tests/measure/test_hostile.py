@@ -1,6 +1,6 @@
 """The timed client against a hostile server: every misbehaviour becomes one error class.
 
-Each test has a real server on loopback (tests/load/hostile.py) play a scripted response,
+Each test has a real server on loopback (tests/support/hostile.py) play a scripted response,
 runs `execute` in a greenlet and checks the outcome's exact `error_class` (and where it
 says something: the code, the detail, the tokens counted before the failure, which of
 t0..t6 were reached, that a failed connection is never pooled). Most tests then send a
@@ -47,9 +47,9 @@ from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.response import prepare, wire
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
-from tests.load.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
-from tests.load.test_fastpath import read_response
-from tests.ports import free_port
+from tests.measure.test_fastpath import read_response
+from tests.support.hostile import CLOSE, READ, RESET, Sleep, Step, Until, drip, serve
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
 

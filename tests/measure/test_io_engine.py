@@ -3,7 +3,7 @@
 against the simulator's own trace (same host, same monotonic clock).
 
 The hostile-server cases and the TLS proxy's run on both engines in their own files
-(tests/load/test_hostile.py, tests/load/test_tls_proxy.py).
+(tests/measure/test_hostile.py, tests/measure/test_tls_proxy.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from calculet_load.measure.session import RequestSpec, RunContext, Session, turn
 from calculet_load.measure.sink import PartSink
 from calculet_load.measure.threads import ENGINE_THREAD, SINK_THREAD
 from calculet_load.schema.records import ClientNs, RequestRecord
-from tests.load.hostile import Sleep, serve
-from tests.load.locustproc import LocustRun
-from tests.load.test_hostile import CHUNKED_HEAD, L1, chunk
-from tests.simproc import SimProcess
+from tests.measure.test_hostile import CHUNKED_HEAD, L1, chunk
+from tests.support.hostile import Sleep, serve
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 

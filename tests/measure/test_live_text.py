@@ -1,7 +1,7 @@
 """What a programmed user reads of a response: its text (kept in memory only when asked),
 a reasoning model's phases, a cancel its caller holds, and token events as they arrive.
 
-Each case runs against a real scripted server on loopback (tests/load/hostile.py) on both
+Each case runs against a real scripted server on loopback (tests/support/hostile.py) on both
 I/O engines, through `execute` as the users' calls do.
 """
 
@@ -20,8 +20,8 @@ from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.response import StreamCancel
 from calculet_load.schema.records import TokenEvent
-from tests.load.hostile import Until, serve
-from tests.load.test_hostile import CHUNKED_HEAD, DONE, PATIENT, chat_event, chunk, llama_event
+from tests.measure.test_hostile import CHUNKED_HEAD, DONE, PATIENT, chat_event, chunk, llama_event
+from tests.support.hostile import Until, serve
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Reads streams as an engine does, on whichever modules are in use, and prints the
 # outcomes: every protocol's common stream, fast path on and off, and the fast path's
-# irregular events and framings (tests/load/test_fastpath.py's).
+# irregular events and framings (tests/measure/test_fastpath.py's).
 _READER = r"""
 import dataclasses, json, sys
 sys.path.insert(0, "benchmarks")
@@ -27,7 +27,7 @@ import msgspec
 from calculet_load.clock import SystemClock
 from calculet_load.measure import native
 from event_parse import PROTOCOLS, adapter, read_once, reads_of
-from tests.load import test_fastpath as fp
+from tests.measure import test_fastpath as fp
 
 def row(out):
     fields = dataclasses.asdict(out)
@@ -93,7 +93,7 @@ def test_the_parsers_tests_pass_on_the_sources() -> None:
     files = ["test_fastpath.py", "test_sse.py", "test_chunked.py", "test_protocols.py"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         *(f"tests/load/{f}" for f in files)],
+         *(f"tests/measure/{f}" for f in files)],
         cwd=REPO, env={**os.environ, "CALCULET_NATIVE": "0"}, capture_output=True, text=True,
         timeout=240,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from calculet_load.measure.prompts import (
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.measure.sink import PartSink
 from calculet_load.schema.runfolder import part_files
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 
 def test_corpus_samples_are_deterministic_and_distinct() -> None:

@@ -26,8 +26,8 @@ from calculet_load.measure.client import Endpoint, run_in_greenlet
 from calculet_load.measure.engine import EnginePool, execute_threaded
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.response import Outcome, Timeouts
-from tests.load.hostile import CLOSE, serve
-from tests.load.test_hostile import PATIENT, SHORT_LLAMA, http
+from tests.measure.test_hostile import PATIENT, SHORT_LLAMA, http
+from tests.support.hostile import CLOSE, serve
 
 STREAMS = 8
 TOKENS = 4

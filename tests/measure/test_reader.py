@@ -1,7 +1,7 @@
 """The thread engine's native reader (calculet_load/measure/reader.c): each read of a
 watched socket made in its own thread, kept with its stamps in order, handed to the
 engine's loop when the response must be seen; and the engine reading plain sockets
-through it (tests/load/test_hostile.py runs every hostile response through it too).
+through it (tests/measure/test_hostile.py runs every hostile response through it too).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from calculet_load.measure.engine import EnginePool, IoEngine, execute_threaded
 from calculet_load.measure.protocols import adapter_for
 from calculet_load.measure.response import ask_kernel_stamps, kernel_wall_ns
 from calculet_load.measure.threads import READER_THREAD
-from tests.load.hostile import Sleep, serve
-from tests.load.test_hostile import CHUNKED_HEAD, PATIENT, chunk, llama_event
+from tests.measure.test_hostile import CHUNKED_HEAD, PATIENT, chunk, llama_event
+from tests.support.hostile import Sleep, serve
 
 pytestmark = pytest.mark.timeout(30)
 

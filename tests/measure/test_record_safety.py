@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from calculet_load.measure.preflight import REQUEST_ID as PREFLIGHT_ID
-from tests.load.locustproc import LocustRun
-from tests.simproc import SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,7 +169,7 @@ def test_one_out_of_range_counter_among_hundreds_costs_only_its_own_record(
 def test_a_record_the_sink_cannot_write_makes_the_run_incomplete_and_loud(
     tmp_path: Path, sim: SimProcess
 ) -> None:
-    locustfile = str(Path(__file__).parent / "data" / "poison_locustfile.py")
+    locustfile = str(Path(__file__).parents[1] / "data" / "poison_locustfile.py")
     run = _local_run(tmp_path, sim.url, users=2, seconds=4)
     run.locustfile = locustfile
     run.start()

@@ -35,9 +35,9 @@ from calculet_load.measure.sink import PartSink
 from calculet_load.schema.access import TargetAccess
 from calculet_load.schema.records import RequestRecord
 from tests.conftest import REPO
-from tests.load.locustproc import LocustRun
-from tests.load.tlsproxy import Nginx, Pki, make_pki, nginx_binary
-from tests.simproc import SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
+from tests.support.tlsproxy import Nginx, Pki, make_pki, nginx_binary
 
 pytestmark = [
     pytest.mark.skipif(

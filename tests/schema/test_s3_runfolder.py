@@ -23,9 +23,9 @@ import pytest
 
 from calculet_load.schema.fs import resolve_fs
 from calculet_load.schema.liveseries import read_live_series
-from tests.load.locustproc import LocustRun
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(180)
 

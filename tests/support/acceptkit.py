@@ -2,7 +2,7 @@
 matrix and rules they write, the command line they run, and readers of the run folder's
 files (`events.jsonl`, `plan.json`, the Parquet records, `verdict.json`, the bundle).
 
-The fixtures (`signing_key`, `accept_env`, `procs`) are in tests/load/conftest.py.
+The fixtures (`signing_key`, `accept_env`, `procs`) are in tests/support/fixtures.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from analysis.judge.rules import DEFAULT_RULES
 from analysis.sign import load_verify_key, verify
 from calculet_load.accept.pipeline import Options, Pipeline
 from calculet_load.commands.door import analysis_door
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "calculet_load.cli"]  # the `calculet-load` command
@@ -52,7 +52,7 @@ def accept_sim(
     start: Callable[..., SimProcess], *args: str, scale: str = SCALE, profile: str | None = "b4"
 ) -> SimProcess:
     """A simulator serving the manifest's calbin hash, admin API on (the token is
-    tests.simproc.ADMIN_TOKEN); `profile=None` keeps the simulator's default profile, and
+    tests.support.simproc.ADMIN_TOKEN); `profile=None` keeps the simulator's default profile, and
     later `--set` arguments override earlier ones."""
     pre = ["--time-scale", scale, *(["--profile", profile] if profile else [])]
     return start(*pre, "--set", f"versions.calbin_sha256={CALBIN}", *args, faults=True)

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import psutil
 
 from calculet_load.measure.sse import SSEParser
-from tests.sim.helpers import LLAMA, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import LLAMA, prompt_ids
+from tests.support.simproc import SimProcess
 
 T = TypeVar("T")
 

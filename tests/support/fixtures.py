@@ -1,4 +1,6 @@
-"""Fixtures of the `calculet-load accept` tests (their helpers are in tests.load.acceptkit)."""
+"""Fixtures of the whole suite, registered in tests/conftest.py: the kernel's receive
+stamps held on, and what the `calculet-load accept` tests share (their helpers are in
+tests.support.acceptkit)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 from analysis.sign import generate_keypair
 from calculet_load.measure.response import ask_kernel_stamps
-from tests.simproc import ADMIN_TOKEN
+from tests.support.simproc import ADMIN_TOKEN
 
 
 @pytest.fixture(scope="session", autouse=True)

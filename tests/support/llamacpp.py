@@ -11,7 +11,7 @@ outside the clone, serving a tiny random-weight Qwen2 model with the real Qwen2 
   generation is fast on a CPU and its tokens are arbitrary (partial UTF-8 characters
   included), which is what a client's counting must survive.
 
-`python -m tests.llamacpp` does the set-up (scripts/test runs it before the suite) and
+`python -m tests.support.llamacpp` does the set-up (scripts/test runs it before the suite) and
 prints the binary's and the model's paths.
 """
 
@@ -65,7 +65,7 @@ def _model_key() -> str:
 
 
 def _log(msg: str) -> None:
-    print(f"tests.llamacpp: {msg}", file=sys.stderr, flush=True)
+    print(f"tests.support.llamacpp: {msg}", file=sys.stderr, flush=True)
 
 
 def _fetch_sdist(dest: Path) -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tests.ports import free_port
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE = str(REPO / "locustfiles" / "calculet.py")

@@ -1,10 +1,10 @@
 """A userspace TCP relay that delays traffic: the test's stand-in for netem.
 
-    python -m tests.load.netrelay --listen HOST:0 --to HOST:PORT --delay-ms 15 \\
+    python -m tests.support.netrelay --listen HOST:0 --to HOST:PORT --delay-ms 15 \\
         --jitter-ms 4 --seed 7 --max-s 120
 
 This kernel has no netem (`tc qdisc add … netem` answers "Specified qdisc kind is
-unknown"), so tests/load/test_netns.py puts delay and jitter on the workers' path with
+unknown"), so tests/locust/test_netns.py puts delay and jitter on the workers' path with
 this relay. Every chunk read from either side is written to the other side `delay-ms`
 later; chunks towards the client get `± jitter-ms` more. The jitter's sign is drawn once
 per connection from a seeded stream per client address in shuffled (+, −) pairs, so the

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tests.simproc import SimProcess, Stream
+from tests.support.simproc import SimProcess, Stream
 
 T = TypeVar("T")
 

@@ -42,7 +42,7 @@ class Stream:
 
 
 class _Forked:
-    """A simulator forked by tests.simzygote, with the part of Popen's interface the tests
+    """A simulator forked by tests.support.simzygote, with the part of Popen's interface the tests
     use (pid, poll, wait, send_signal, kill, returncode, stdout)."""
 
     def __init__(self, pid: int, status: socket.socket, stdout: IO[bytes]) -> None:
@@ -78,7 +78,7 @@ class _Forked:
 
 
 class _Zygote:
-    """This test process's fork server (tests.simzygote), started at its first use."""
+    """This test process's fork server (tests.support.simzygote), started at its first use."""
 
     lock = threading.Lock()
     proc: subprocess.Popen[bytes] | None = None
@@ -90,7 +90,7 @@ class _Zygote:
             if cls.proc is None or cls.proc.poll() is not None:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 cls.proc = subprocess.Popen(
-                    [sys.executable, "-m", "tests.simzygote", str(theirs.fileno())],
+                    [sys.executable, "-m", "tests.support.simzygote", str(theirs.fileno())],
                     pass_fds=[theirs.fileno()], cwd=REPO, stdin=subprocess.DEVNULL,
                 )  # fmt: skip
                 theirs.close()
@@ -110,11 +110,11 @@ class _Zygote:
             if not said:
                 os.close(out_r)
                 status_ours.close()
-                raise RuntimeError("the simulators' fork server (tests.simzygote) is gone")
+                raise RuntimeError("the simulators' fork server (tests.support.simzygote) is gone")
             return _Forked(int(said), status_ours, open(out_r, "rb"))
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # CALCULET_TEST_SIM_FORK=0: every simulator its own `python -m calculet_sim.cli` process
 FORK = os.environ.get("CALCULET_TEST_SIM_FORK", "1") != "0"
 

@@ -9,7 +9,7 @@ runs `calculet_sim.cli.main(argv)` with the caller's environment, working direct
 stdout and stderr, as `python -m calculet_sim.cli` would. What a test sees is the same
 process: its own pid (signals, psutil, the port's owner), its exit code, its output.
 
-Protocol (tests.simproc is the client; one server per test process, on a
+Protocol (tests.support.simproc is the client; one server per test process, on a
 SOCK_SEQPACKET socket pair given as argv[1]): a request is one JSON message
 {"argv", "env", "cwd"} carrying three descriptors (a status socket, stdout, stderr); the
 answer is the child's pid. When the child ends, its exit code (Popen's: -N for a

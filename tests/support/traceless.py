@@ -1,7 +1,7 @@
 """A target that is not Calculet: the simulator behind a small streaming proxy whose
 `/traces/*` answers as a plain OpenAI server or a gateway would.
 
-    python -m tests.load.traceless UPSTREAM_URL --traces 404|500|html
+    python -m tests.support.traceless UPSTREAM_URL --traces 404|500|html
 
 prints `listening on http://127.0.0.1:PORT` once it serves (port 0: a free one). Every
 other path is passed through to UPSTREAM_URL, the response streamed back as it arrives

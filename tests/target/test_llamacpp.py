@@ -1,4 +1,4 @@
-"""Against a real llama.cpp `llama-server` (tests/llamacpp.py builds it once per machine):
+"""Against a real llama.cpp `llama-server` (tests/support/llamacpp.py builds it once per machine):
 exact prompt lengths for all three protocols, output counts equal to the server's own,
 prompts no prefix cache can serve, and a plain Locust run.
 
@@ -33,9 +33,9 @@ from calculet_load.measure.prompts import (
 from calculet_load.measure.session import RequestSpec, RunContext, Session
 from calculet_load.schema.profiles import profile_named
 from calculet_load.target.describe import model_for
-from tests.llamacpp import LlamaServer, tokenizer_path
-from tests.load.acceptkit import read_events, relaxed_rules, write_manifest, write_matrix
-from tests.load.locustproc import LocustRun
+from tests.support.acceptkit import read_events, relaxed_rules, write_manifest, write_matrix
+from tests.support.llamacpp import LlamaServer, tokenizer_path
+from tests.support.locustproc import LocustRun
 
 PROTOCOLS = ("llama", "openai-completions", "openai-chat")
 LLAMA = SimpleNamespace(profile="llama.cpp", tokenizer=None)

@@ -14,8 +14,8 @@ from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.workload.calls import Caller, CallError
 from calculet_load.workload.conversation import Conversation
-from tests.load.hostile import READ, serve
-from tests.load.test_hostile import CHUNKED_HEAD, DONE, chat_event, chunk
+from tests.measure.test_hostile import CHUNKED_HEAD, DONE, chat_event, chunk
+from tests.support.hostile import READ, serve
 
 pytestmark = pytest.mark.timeout(20)
 

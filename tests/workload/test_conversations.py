@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.load.locustproc import LOCUSTFILE, LocustRun
-from tests.simproc import SimProcess
+from tests.support.locustproc import LOCUSTFILE, LocustRun
+from tests.support.simproc import SimProcess
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.quiet]
 

@@ -13,14 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     accept_sim,
     relaxed_rules,
     run_pipeline,
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -23,7 +23,7 @@ import pytest
 from calculet_load.workload.dispatch import Share, split
 from calculet_load.workload.matrix import Cell
 from calculet_load.workload.mixes import load_mix, single
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     CLI,
     REPO,
     SMALL_MATRIX,
@@ -37,8 +37,8 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 
 # ------------------------------------------------------------------ the split (pure)

@@ -19,7 +19,7 @@ import yaml
 
 from analysis.sign import load_verify_key, verify
 from calculet_load.schema.crosstalk import CELL_PREFIX as CROSSTALK_PREFIX
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     CLI,
     accept_args,
     accept_sim,
@@ -32,7 +32,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 
 def _cell_starts(run_dir: Path) -> dict[str, int]:

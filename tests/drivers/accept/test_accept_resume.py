@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     CLI,
     SMALL_MATRIX,
     accept_args,
@@ -22,7 +22,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 
 def test_a_run_killed_before_its_plan_restarts_and_keeps_the_cut_attempt_aside(

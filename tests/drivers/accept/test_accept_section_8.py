@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from calculet_load.cli import main
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     GOLDEN,
     accept_args,
     accept_sim,
@@ -26,7 +26,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 ACCEPTANCE = "acceptance of build 1.2.3"  # a purpose that does not say rehearsal
 

@@ -1,8 +1,8 @@
 """Spec §7 batch matrices (issue 7): B4/B8/B16 each at active lanes 1..B, the vendor's
 partial-lane statement required at release, and a time-scaled B4 run end to end.
 
-The release refusals and the run are against a real B4 simulator (tests.simproc), with
-the helpers of tests/load/acceptkit.py.
+The release refusals and the run are against a real B4 simulator (tests.support.simproc), with
+the helpers of tests/support/acceptkit.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from calculet_load.schema.manifest import ManifestError, load_manifest, parse_ma
 from calculet_load.workload.matrix import MatrixError, load_matrix, parse_matrix
 from calculet_sim.admin import PARTIAL_LANES
 from tests.analysis.test_batch import B4, _rules, _small
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     MATRICES,
     REPO,
     accept_args,
@@ -34,7 +34,7 @@ from tests.load.acceptkit import (
     relaxed_rules,
     write_manifest,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 BATCH_B4 = MATRICES / "batch-b4.yaml"
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from calculet_load.cli import main
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     accept_args,
     accept_sim,
     read_events,
@@ -28,7 +28,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 ONE_CELL = [{"kind": "single", "prompt_tokens": 128, "max_tokens": 16}]
 CASES = ("short", "medium", "long-prompt", "one-token")  # configs/golden/sim.yaml, all greedy

@@ -18,7 +18,7 @@ import pytest
 
 from analysis.report import write_report
 from tests.analysis.test_report import Page
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     accept_sim,
     read_verdict,
     relaxed_rules,
@@ -26,7 +26,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 
 # The penalty compares TTFT across two cells run one after the other: on a busy machine

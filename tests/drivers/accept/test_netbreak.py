@@ -27,10 +27,10 @@ import yaml
 from analysis.analyze import analyze
 from calculet_load.schema.netsigns import NETWORK_ERROR_CLASSES
 from calculet_load.target.netprobe import measure_round
-from tests.load.acceptkit import relaxed_rules
-from tests.load.locustproc import LocustRun
-from tests.load.test_netns import _ip, _skip_reason, private_net
-from tests.simproc import SimProcess
+from tests.locust.test_netns import _ip, _skip_reason, private_net
+from tests.support.acceptkit import relaxed_rules
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 

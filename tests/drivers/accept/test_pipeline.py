@@ -29,7 +29,8 @@ from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
 from calculet_load.cli import main
 from calculet_load.workload.matrix import load_matrix
-from tests.load.acceptkit import (
+from tests.locust.test_locust_traces import assert_joined_records_filled
+from tests.support.acceptkit import (
     CLI,
     GOLDEN,
     ORDER_HEAD,
@@ -51,9 +52,8 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.load.starver import STARVER
-from tests.load.test_locust_traces import assert_joined_records_filled
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.starver import STARVER
 
 
 # ------------------------------------------------------------------ 1 clean run
@@ -138,7 +138,7 @@ def test_a_clean_run_follows_the_section_8_order_and_exits_0(
 
 # ------------------------------------------------------------------ 2 failed golden
 # (cross-talk leaks between requests in flight: the golden set, sent one at a time, passes
-# under it, and accept's crosstalk step catches it: tests/load/test_crosstalk.py)
+# under it, and accept's crosstalk step catches it: tests/drivers/accept/test_crosstalk.py)
 def test_a_failed_golden_stops_the_run_with_exit_1(
     tmp_path: Path,
     start_sim: Callable[..., SimProcess],

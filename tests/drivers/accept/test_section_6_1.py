@@ -21,7 +21,7 @@ from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
 from calculet_load.cli import main
 from calculet_load.workload.matrix import MatrixError, load_matrix, parse_matrix
-from tests.load.acceptkit import (
+from tests.support.acceptkit import (
     SINGLE,
     accept_sim,
     assert_bundle_verifies,
@@ -31,7 +31,7 @@ from tests.load.acceptkit import (
     write_manifest,
     write_matrix,
 )
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 EDGE = "boundary-p40959-o32"
 

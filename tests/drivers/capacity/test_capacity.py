@@ -17,7 +17,7 @@ from calculet_load.accept.capacity import SLA, GoodputSLA, _p99, load_sla
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 PROFILE = [

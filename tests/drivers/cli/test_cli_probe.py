@@ -15,8 +15,8 @@ import yaml
 from calculet_load.cli import main
 from calculet_load.schema.runfolder import read_records
 from tests.conftest import REPO
-from tests.ports import free_port
-from tests.simproc import SimProcess
+from tests.support.ports import free_port
+from tests.support.simproc import SimProcess
 
 SIM_MANIFEST = REPO / "configs" / "manifest.sim.yaml"
 

@@ -4,7 +4,7 @@ Designed behaviour: the whole matrix runs once on one shared simulator (time sca
 faults enabled) under a manifest that authorizes maintenance actions (§12.4), and every
 scenario must PASS, exit 0. Broken modes: each scenario runs alone on a fresh simulator
 with its `target_fault` armed broken; it must FAIL (exit 1) with evidence naming the
-expectation the broken mode violates. Without the authorization: tests/load/
+expectation the broken mode violates. Without the authorization: tests/drivers/faults/
 test_maintenance.py.
 """
 
@@ -24,7 +24,7 @@ from calculet_load.faults.check import check_requests, released_in_flight, share
 from calculet_load.faults.observe import Observation, ReqObs
 from calculet_load.faults.spec import RequestCheck, load_scenarios
 from tests.conftest import REPO
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 SCENARIO_DIR = REPO / "configs" / "faults"

@@ -14,7 +14,7 @@ import pytest
 from calculet_load.faults.maintenance import RECORD_FIELDS, AuditObs, audit_checks, refusal
 from calculet_load.faults.spec import load_scenarios
 from calculet_load.schema.manifest import Maintenance, ManifestError, parse_manifest
-from tests.load.test_faults import (
+from tests.drivers.faults.test_faults import (
     AUTHORIZATION,
     MANIFEST,
     SCENARIO_DIR,
@@ -23,7 +23,7 @@ from tests.load.test_faults import (
     document,
     faults_cli,
 )
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 FAST = ("--time-scale", "0.02")

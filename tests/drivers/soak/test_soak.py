@@ -32,7 +32,7 @@ import yaml
 
 from calculet_load.soak.run import STAGE_DIR, load_stage
 from tests.conftest import REPO
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 MANIFEST = REPO / "configs" / "manifest.sim.yaml"

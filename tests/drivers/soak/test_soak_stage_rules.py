@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.load.test_soak import ENV, FAST, MANIFEST, StartSim, conditions
-from tests.simproc import PATIENT_QUEUE
+from tests.drivers.soak.test_soak import ENV, FAST, MANIFEST, StartSim, conditions
+from tests.support.simproc import PATIENT_QUEUE
 
 
 # The burst's reference level is the background requests just before it that the analysis
