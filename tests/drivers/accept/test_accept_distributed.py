@@ -1,4 +1,4 @@
-"""A distributed `calculet-load accept` (issue 7, item 3) against the real simulator.
+"""A distributed `calculet-load accept` against the real simulator.
 
 `--workers N` starts N local Locust worker processes; `--master` waits for workers
 started by hand with the documented `locust -f locustfiles/calculet.py --worker …`
@@ -134,7 +134,7 @@ def test_local_workers_share_every_load_shape_and_the_index_lists_them(
         assert workers[name]["parts"], name
         assert "clock_anchor" in workers[name]
         assert (run_dir / "client" / name / "worker.json").exists()
-        # issue 15: the master measured the worker's clock (one host: offset about 0)
+        # the master measured the worker's clock (one host: offset about 0)
         sync = workers[name]["master_clock_sync"]
         assert abs(sync["master_offset_ns"]) <= sync["master_rtt_ns"] // 2 + 200_000, sync
     for name in ("w00", "w01", "w02"):  # RTT to the target from every sending process
@@ -181,7 +181,7 @@ def test_the_master_takes_workers_started_with_the_documented_locust_command(
         [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
     )
     procs.append(master)
-    # what a client host runs (docs/locust.md, "A distributed accept")
+    # what a client host runs (docs/acceptance.md, "Several client processes and hosts")
     worker_cmd = [sys.executable, "-m", "locust", "-f", "locustfiles/calculet.py", "--worker"]
     worker_cmd += ["--master-host", "127.0.0.1", "--master-port", str(port)]
     worker = subprocess.Popen(
