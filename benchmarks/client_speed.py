@@ -1,5 +1,5 @@
 """Speed per worker core: calculet-load's Locust user against a reference client, on a
-server whose true timings are known exactly (issue 18).
+server whose true timings are known exactly.
 
 The server (benchmarks/exact_server.py: OpenAI /v1/completions SSE, TTFT 50 ms, a token
 every 10 ms, 64 one-word tokens, 128-token prompts, keep-alive) runs pinned to core 1 and
@@ -32,7 +32,7 @@ client's CPU (% of its core and µs per request, over the steady middle of the p
 CPU per request as a ratio to the reference's at the same point of this run, and the
 verdict. Truth: TTFT = first token's write − request read; ITL = gap between writes;
 TPOT = (last − first write)/(n − 1), all on the server's monotonic clock. At the end,
-per calculet-load client, issue 18's targets judged on this run's points (`target_lines`).
+per calculet-load client, its speed targets judged on this run's points (`target_lines`).
 
 Usage:
   .venv/bin/python benchmarks/client_speed.py                   # the full sweep (~10 min)
@@ -87,7 +87,7 @@ REFERENCE = REPO / "benchmarks" / "ref_client.py"
 LLMUSER = REPO / "benchmarks" / "llmuser_locustfile.py"
 RATES = [20, 40, 80, 160, 320, 640]
 CONCURRENCY = [16, 64, 256]
-BUDGET_MS = 10.0  # the issue's bar: TTFT p99 error within 10 ms
+BUDGET_MS = 10.0  # the speed target: TTFT p99 error within 10 ms
 
 
 # ------------------------------------------------------------------ clients
@@ -445,7 +445,7 @@ def _check(points: list[Point], key: str, limit: float, what: str, upto: float) 
 
 
 def target_lines(points: list[Point]) -> list[str]:
-    """Issue 18's targets for one calculet-load client, judged on this run's points."""
+    """The speed targets for one calculet-load client, judged on this run's points."""
     poisson = [p for p in points if p.mode == "poisson"]
     closed = [p for p in points if p.mode == "closed"]
     lines = [
@@ -621,7 +621,7 @@ def main() -> None:
     for line in compare_lines(points, "calculet", "baseline", "this tree"):
         print(line)
     for name in dict.fromkeys(p.client for p in points if p.client.startswith("calculet")):
-        print(f"  {name} against issue 18's targets, in this run:")
+        print(f"  {name} against the speed targets, in this run:")
         for line in target_lines([p for p in points if p.client == name]):
             print(f"    {line}")
     floor = [p.cpu_ratio for p in points if p.client == "floor" and math.isfinite(p.cpu_ratio)]

@@ -1,4 +1,4 @@
-"""The client's self-check (issue 18): did this client keep up with its load, per cell?
+"""The client's self-check: did this client keep up with its load, per cell?
 
 Three figures per cell tell how far off a process's timings can be, from its own records:
 

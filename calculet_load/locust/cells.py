@@ -103,7 +103,7 @@ class Fleet:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._waiting: dict[tuple[str, str], gevent.event.AsyncResult] = {}
         self._tasks = itertools.count(1)
-        self.clock_sync: ClockSync | None = None  # issue 15: each worker's offset to us
+        self.clock_sync: ClockSync | None = None  # each worker's offset to us
 
     @property
     def processes(self) -> int:
@@ -282,7 +282,7 @@ class Fleet:
         cid = next((c for c, n in self.names.items() if n == worker), None)
         if self.clock_sync is not None and cid is not None:
             clock = self.clock_sync.for_client(cid)
-            if clock is not None:  # issue 15: the master's measurement of this worker
+            if clock is not None:  # the master's measurement of this worker
                 info = {**info, "master_clock_sync": clock}
         self.reports[worker] = info
         _write_json(run_dir / "client" / worker / "worker.json", info)
@@ -349,7 +349,7 @@ class Agent:
         self.cells = CellRunner(self.session, self.prompt, self.prompts)
         self.pending: dict[str, Share] = {}
         self.shipped: set[str] = set()
-        # issue 15: RTT and jitter from this host (§5), on the profile's health path
+        # RTT and jitter from this host (§5), on the profile's health path
         self.rtt = RttRounds(
             access,
             path=profile_named(target.get("profile") or "calculet").health_probe_path,

@@ -237,7 +237,7 @@ class Worker:
         self.bursts: list[dict[str, Any]] = []
         self.cpu_percent = 0.0
         self.abandoned = 0
-        # issue 15: start-up is not load. Nothing is sent before prompts, tokenization
+        # Start-up is not load. Nothing is sent before prompts, tokenization
         # and connections are ready; the self-watch marks the time before as warm-up.
         self.ready = gevent.event.Event()
         self._prep = gevent.spawn(self._prepare)
@@ -394,7 +394,7 @@ class Worker:
             for t in self._llm_tables():
                 t.observe_loop_lag(row.loop_lag_ms)
         self.cpu_percent = row.cpu_percent
-        self.stats.in_flight[self.name] = row.in_flight or 0  # issue 9: a local run's gauges
+        self.stats.in_flight[self.name] = row.in_flight or 0  # a local run's gauges
         self.stats.cpu_percent[self.name] = row.cpu_percent
 
     # --- closed loop ----------------------------------------------------------------
@@ -647,7 +647,7 @@ def _count(s: LiveStats, record: RequestRecord, model: str = "") -> None:
     if e.dropped:
         c["dropped"] += 1
         return
-    s.observe_series(record, model)  # issue 9: labelled series for Prometheus
+    s.observe_series(record, model)  # labelled series for Prometheus
     c["requests"] += 1
     if e.error_class is None:
         c["ok"] += 1

@@ -1,4 +1,4 @@
-"""Spec §13 stage conditions as rules (issue 19 item 6): recovery after each burst
+"""Spec §13 stage conditions as rules: recovery after each burst
 (candidate, release), zero unrecovered device faults (release), the SLA as `slo` rules,
 the stage rules files over the default (`extends`), and the soak's conditions naming
 them. Hand-built run folders with known bursts and faults (integer ns)."""

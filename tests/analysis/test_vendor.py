@@ -1,4 +1,4 @@
-"""Spec §10 and §17 fields (issue 19 item 8): slot and admission waits apart from the
+"""Spec §10 and §17 fields: slot and admission waits apart from the
 queue, jobs left on the device, and the vendor's counters (`server/vendor.jsonl`,
 `calculet-load schema vendor`) joined to the records by request id as steps are; and
 without that file, every section that would need it says "graph/service level only

@@ -1,4 +1,4 @@
-"""A smoke of benchmarks/client_speed.py (issue 18): two short points, the reference, the
+"""A smoke of benchmarks/client_speed.py: two short points, the reference, the
 Python read floor (`ref_client.py --python-reads`) and calculet-load on both I/O engines
 (--io-engine gevent,thread).
 
@@ -49,8 +49,8 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "load average" in done.stdout
-    for name in ("calculet:gevent", "calculet:thread"):  # the issue's targets, judged
-        assert f"{name} against issue 18's targets, in this run:" in done.stdout
+    for name in ("calculet:gevent", "calculet:thread"):  # the speed targets, judged
+        assert f"{name} against the speed targets, in this run:" in done.stdout
     assert "TTFT p50 error <= 0.3 ms at 20 req/s: " in done.stdout
     points = json.loads(out.read_text())
     assert [(p["client"], p["mode"], p["level"]) for p in points] == [
@@ -150,8 +150,8 @@ def test_the_targets_are_judged_from_the_points() -> None:
 
 
 def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
-    """An `analyze` exit 3 names what failed (stop 30 had to guess: the benchmark kept only
-    the verdict's last line)."""
+    """An `analyze` exit 3 names what failed: every failed rule, not only the verdict's
+    last line."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import client_speed as cs
@@ -178,7 +178,7 @@ def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
 
 def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
     """A pass with loop-lag samples says the kernel-stamped records under them were
-    judged by their own bounds (it would have been exit 3 before stop 37)."""
+    judged by their own bounds, not failed as saturated (exit 3)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import client_speed as cs

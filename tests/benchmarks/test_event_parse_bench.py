@@ -1,4 +1,4 @@
-"""A smoke of benchmarks/event_parse.py (issue 18): Part 1's hot loop, briefly.
+"""A smoke of benchmarks/event_parse.py: Part 1's hot loop, briefly.
 
 Checks the machinery, not the figures (those need a quiet machine and their own run):
 each protocol's response is read on both paths to its 64 tokens (the benchmark asserts

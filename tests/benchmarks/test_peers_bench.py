@@ -1,4 +1,4 @@
-"""benchmarks/peers.py reads the peers' own outputs (issue 18: vLLM 0.7.3's
+"""benchmarks/peers.py reads the peers' own outputs (vLLM 0.7.3's
 benchmark_serving.py and inference-perf 0.7.0, run by `client_speed.py --peers`): the
 files here are trimmed copies of what each wrote against benchmarks/exact_server.py
 (TTFT 50 ms, a token every 10 ms), with one failed request added to each."""

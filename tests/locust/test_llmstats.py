@@ -1,4 +1,4 @@
-"""The LLM table (issue 15): analyze's definitions per cell, reset, the recent window,
+"""The LLM table: analyze's definitions per cell, reset, the recent window,
 the merge across workers, and the CSV/HTML/tab forms of it."""
 
 from __future__ import annotations

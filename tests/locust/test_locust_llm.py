@@ -1,10 +1,10 @@
-"""Issue 15, items 3 and 4, end to end: real `locust` processes against a real simulator
-on loopback.
+"""The LLM figures and the run's processes, end to end: real `locust` processes against a
+real simulator on loopback.
 
 * Locust's Aggregated row and `--csv` count each request once (records on disk);
 * the LLM CSV and the `--html` LLM section carry TTFT/TPOT/ITL/E2E percentiles equal to
   `calculet-load analyze`'s within the live histogram's 1 %;
-* the issue's plain first run (12 s, 4 users) is not judged saturated (analyze exit 0):
+* a plain first run (12 s, 4 users) is not judged saturated (analyze exit 0):
   start-up is the self-watch's warm-up, and no request goes out before it ends;
 * `--processes N` with a `locust.conf` holding our options; Locust's "Reset stats"
   resets the LLM figures on the master and the workers.
@@ -84,7 +84,7 @@ def _locust_counts(prefix: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The issue's run: 12 s, 4 users, closed loop, the simulator at its own pace."""
+    """A plain first run: 12 s, 4 users, closed loop, the simulator at its own pace."""
     tmp = tmp_path_factory.mktemp("plain")
     sim = SimProcess(tmp)
     try:
@@ -108,7 +108,7 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
 
 
 @pytest.mark.serial  # judged by the client's CPU self-watch: in the quiet phase one
-# neighbour saturated it (8 of 28 records; a fresh-clone run of stop 24)
+# neighbour saturated it (8 of 28 records)
 def test_the_plain_first_run_is_not_judged_saturated(plain_run: dict[str, Any]) -> None:
     res = plain_run["analyze"]
     assert res.returncode == 0, res.stdout + res.stderr
@@ -124,7 +124,7 @@ def test_the_plain_first_run_is_not_judged_saturated(plain_run: dict[str, Any]) 
 
 
 @pytest.mark.serial  # judged by the client's CPU self-watch: in the quiet phase one
-# neighbour saturated it (8 of 28 records; a fresh-clone run of stop 24)
+# neighbour saturated it (8 of 28 records)
 def test_locust_counts_each_request_once(plain_run: dict[str, Any]) -> None:
     counted = _counted(_requests(plain_run["run_dir"]))
     assert sum(counted.values()) >= 12
@@ -187,7 +187,7 @@ def _assert_like_analyze(run_dir: Path, llm: dict[str, dict[str, str]], cells: s
 
 
 @pytest.mark.serial  # judged by the client's CPU self-watch: in the quiet phase one
-# neighbour saturated it (8 of 28 records; a fresh-clone run of stop 24)
+# neighbour saturated it (8 of 28 records)
 def test_llm_csv_and_html_match_analyze_within_one_percent(plain_run: dict[str, Any]) -> None:
     llm = {r["name"]: r for r in _csv(Path(f"{plain_run['prefix']}_llm_stats.csv"))}
     cells = set(_counted(_requests(plain_run["run_dir"])))
@@ -209,7 +209,7 @@ def test_llm_csv_and_html_match_analyze_within_one_percent(plain_run: dict[str, 
 
 
 @pytest.mark.serial  # judged by the client's CPU self-watch: a busy machine saturates it
-# (in a quiet phase of three files side by side it failed once: stop 24)
+# (in a quiet phase of three files side by side it failed once)
 def test_processes_and_a_locust_conf_with_our_options(tmp_path: Path) -> None:
     sim = SimProcess(tmp_path, "--time-scale", "0.1")
     try:

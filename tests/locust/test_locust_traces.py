@@ -1,4 +1,4 @@
-"""Issue 17 item 5: a plain Locust run fetches the target's traces when it stops, so
+"""A plain Locust run fetches the target's traces when it stops, so
 `analyze` joins client and server, and `export` writes joined §3 records; a target
 without traces is `not_available` and the run ends normally. Real simulator, proxy and
 Locust processes on loopback; the collector's row selection on its own below."""

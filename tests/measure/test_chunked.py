@@ -1,6 +1,6 @@
 """The client's chunked-body fast path (measure.chunked.ChunkedDecoder) decodes as h11 does.
 
-Event streams are read past h11 once the head is parsed (issue 18: h11's per-chunk
+Event streams are read past h11 once the head is parsed (h11's per-chunk
 events cost a sixth of a worker's CPU); these cases, each split at every byte, must give
 the same body and the same verdict (complete, waiting for more, or refused) as h11.
 """

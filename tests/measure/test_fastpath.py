@@ -1,4 +1,4 @@
-"""The event stream's fast path (issue 18) reads exactly what the general path reads.
+"""The event stream's fast path reads exactly what the general path reads.
 
 `measure.response._chunked` reads a whole chunk holding one plain `data: ` event of the
 common OpenAI shape straight from the read's bytes (`_PLAIN_HEAD`, `Run.on_plain`,

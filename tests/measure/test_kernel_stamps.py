@@ -1,4 +1,4 @@
-"""Stamps from the kernel's receive time (issue 18): a busy client loop does not make them late.
+"""Stamps from the kernel's receive time: a busy client loop does not make them late.
 
 A plain-socket server in a thread sends one SSE event at a known monotonic instant while
 the client's gevent loop is blocked (a greenlet sleeps without yielding, as a loop busy

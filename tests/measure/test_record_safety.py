@@ -1,4 +1,4 @@
-"""Issue 15 items 1-2 end to end: no record is ever lost to another record's value.
+"""End to end: no record is ever lost to another record's value.
 
 Real processes on loopback: a `calculet-sim`, a rewriting proxy in front of it (this test's
 own, standing for a hostile or buggy server: one response's final llama.cpp event says

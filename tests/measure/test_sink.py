@@ -265,7 +265,7 @@ def test_sigterm_flushes_everything_and_a_kill_loses_only_the_open_part(
     assert len(read_records(str(tmp_path))) == survivors
 
 
-# --- no record is lost to another record's value (issue 15) ----------------------------------
+# --- no record is lost to another record's value ------------------------------------------
 
 
 def _quarantine_lines(folder: Path) -> list[dict[str, object]]:

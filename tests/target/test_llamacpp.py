@@ -113,7 +113,7 @@ def test_exact_prompts_and_the_servers_own_counts(
 
 
 def test_unique_prompts_defeat_the_prefix_cache_and_reuse_hits_it(llama: LlamaServer) -> None:
-    """The issue's finding: the same prompt twice is served from llama.cpp's cache
+    """The same prompt twice is served from llama.cpp's cache
     (cache_n = 63 of 64). Unique prompts (the default) never are; --prompt-reuse is."""
     protocol = "openai-completions"
     factory = target_prompts(llama.url, protocol, LLAMA)

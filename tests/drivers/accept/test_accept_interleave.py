@@ -1,4 +1,4 @@
-"""`calculet-load accept --interleave-with TARGET` (issue 7, item 1) against two simulators.
+"""`calculet-load accept --interleave-with TARGET` against two simulators.
 
 The candidate is the manifest's target; TARGET is the baseline. The tests check the
 interleaving from the runs' own event logs (cell start times), the ABBA positions in

@@ -1,4 +1,4 @@
-"""`accept --resume` of a run killed before its plan existed (issue 7): the cut attempt is
+"""`accept --resume` of a run killed before its plan existed: the cut attempt is
 set aside, kept, and the run starts over in the same folder."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Spec §8 enforced by `calculet-load accept` (issue 19 items 1 and 9): an acceptance
+"""Spec §8 enforced by `calculet-load accept`: an acceptance
 refuses a cell below 30 repetitions (100 for a short case) unless the manifest's purpose
 says rehearsal; idle sampling waits for the rules file's stability criterion and stops
 with exit 3 naming the series that did not settle; `--record-golden` records the golden

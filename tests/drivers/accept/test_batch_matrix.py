@@ -1,4 +1,4 @@
-"""Spec §7 batch matrices (issue 7): B4/B8/B16 each at active lanes 1..B, the vendor's
+"""Spec §7 batch matrices: B4/B8/B16 each at active lanes 1..B, the vendor's
 partial-lane statement required at release, and a time-scaled B4 run end to end.
 
 The release refusals and the run are against a real B4 simulator (tests.support.simproc), with

@@ -1,5 +1,5 @@
 """Spec §14.1 cross-talk under concurrency, end to end: `calculet-load accept` against a
-real simulator whose `crosstalk` knob leaks tokens between requests in flight (issue 19).
+real simulator whose `crosstalk` knob leaks tokens between requests in flight.
 
 The golden set, sent one request at a time, cannot see such a leak; accept's crosstalk
 step sends the golden set's greedy cases four at a time after one of each alone, and the

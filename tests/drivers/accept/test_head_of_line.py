@@ -1,5 +1,5 @@
 """Spec §6.3 head-of-line blocking through `calculet-load accept` against the real,
-time-scaled simulator (issue 19 item 4): the shipped `head-of-line` mix and its
+time-scaled simulator: the shipped `head-of-line` mix and its
 `short-only` control run as two open-loop cells; the analysis' head-of-line section
 shows the short requests' TTFT penalty beside a long prefill, with its interval, and the
 report lays it out in its own section.

@@ -1,5 +1,5 @@
-"""Network breaks detected, and a server crash that is not one (issue 19 item 7, spec
-§9/§15), with real processes.
+"""Network breaks detected, and a server crash that is not one (spec §9/§15), with real
+processes.
 
 A network break is what the network does: the client in a network namespace whose veth
 is taken down for 3.5 s (no route: `unreachable`, the probe's connects lost) → one

@@ -1,4 +1,4 @@
-"""`calculet-load accept` end to end against real simulator processes on loopback (issue 7).
+"""`calculet-load accept` end to end against real simulator processes on loopback.
 
 Every run here is time-scaled and small (a few cells, `--min-repetitions`-style counts, a
 1 s idle window) and is judged from its own files: `events.jsonl` (the §8 order),
@@ -497,7 +497,7 @@ def _failed(run_dir: Path) -> dict[str, str]:
 
 def assert_export_is_joined(run_dir: Path) -> None:
     """`calculet-load export` of the run: §3 records with the server-side fields of
-    every record that joined its trace (issue 17), and the count said on stderr."""
+    every record that joined its trace, and the count said on stderr."""
     cmd = [*CLI, "export", str(run_dir)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -577,7 +577,7 @@ def test_the_section_6_1_matrix_expands_to_every_cell() -> None:
     """12 prompt sizes × outputs 1/32/256 × greedy/seeded × stream true/false, except
     that prompt 40959 with output > 1 does not fit the 40960 context: its cases are
     boundary cells (judged by the rejection/truncation policy), not performance cells,
-    crossed with sampling × stream like every other cell (issue 19 item 5)."""
+    crossed with sampling × stream like every other cell."""
     m = load_matrix(SINGLE)
     cells = m.expanded()
     perf = [c for c in cells if c.kind == "single"]

@@ -1,4 +1,4 @@
-"""Spec §13's candidate conditions as rules, end to end (issue 19 item 6): a time-scaled
+"""Spec §13's candidate conditions as rules, end to end: a time-scaled
 candidate rehearsal against the real simulator, judged with the stage's own rules file
 (configs/soak/candidate.yaml names configs/acceptance/soak-candidate.yaml, which extends
 the default): the soak lists "SLA held" and "recovery after each burst" as conditions
