@@ -32,7 +32,8 @@ client's CPU (% of its core and µs per request, over the steady middle of the p
 CPU per request as a ratio to the reference's at the same point of this run, and the
 verdict. Truth: TTFT = first token's write − request read; ITL = gap between writes;
 TPOT = (last − first write)/(n − 1), all on the server's monotonic clock. At the end,
-per calculet-load client, its speed targets judged on this run's points (`target_lines`).
+per calculet-load client, the client's speed targets judged on this run's points
+(`target_lines`).
 
 Usage:
   .venv/bin/python benchmarks/client_speed.py                   # the full sweep (~10 min)

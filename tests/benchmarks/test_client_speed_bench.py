@@ -150,8 +150,7 @@ def test_the_targets_are_judged_from_the_points() -> None:
 
 
 def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
-    """An `analyze` exit 3 names what failed: every failed rule, not only the verdict's
-    last line."""
+    """An `analyze` exit 3 names what failed (not only the verdict's last line)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import client_speed as cs
@@ -178,7 +177,7 @@ def test_a_flagged_point_names_the_rules_analyze_failed(tmp_path: Path) -> None:
 
 def test_a_passed_point_says_what_the_self_watch_saw(tmp_path: Path) -> None:
     """A pass with loop-lag samples says the kernel-stamped records under them were
-    judged by their own bounds, not failed as saturated (exit 3)."""
+    judged by their own bounds (not an exit 3)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import client_speed as cs

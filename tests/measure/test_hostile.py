@@ -1295,7 +1295,7 @@ def test_non_stream_hostile_body(proto: str, body: bytes, error_class: str) -> N
     failed(out, error_class, 7 if error_class == "nonfinite_number" else 0)
 
 
-# --- values a record must never be lost to ------------------------------------------------
+# --- values a record must never be lost to -------------------------------------------------
 
 
 def test_an_out_of_range_count_keeps_its_raw_value_as_bounded_text() -> None:

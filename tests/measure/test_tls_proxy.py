@@ -1,4 +1,4 @@
-"""End to end: a real TLS reverse proxy (Debian's nginx) in front of a
+"""End to end through a real TLS reverse proxy (Debian's nginx) in front of a
 `calculet-sim`, with a CA and a certificate made here, an API-key check and path
 prefixes (`/llm/` unbuffered, `/buffered/` with a large buffer).
 
@@ -186,8 +186,8 @@ def test_stream_timings_through_the_proxy_agree_with_the_server_trace(
         # Not coalesced by the client: each token event in a read of its own, but for at
         # most one read that came late enough to take two (the delay bounds below still
         # hold for its first token). On two busy cores the proxy or the scheduler now and
-        # then hands over two tokens together: measured in 1 to 2 of 6 runs, with the event
-        # stream's fast path and without it; the pair's flushes were 6.7 ms apart.
+        # then hands over two tokens together: measured in 1 to 2 of 6 runs, with and without
+        # the event stream's fast path; the pair's flushes were 6.7 ms apart.
         shared.append(len(client) - o.event_reads)
         assert o.max_events_per_read <= 3 and shared[-1] <= 1, (shared, np.diff(server) / 1e6)
     print(
