@@ -11,12 +11,9 @@ The synthetic run: 16 closed-loop cells (concurrency 1/2/4/8 × prompts 128…81
 request streaming 50 tokens (one token per event), TTFT and TPOT lognormal around
 plausible values; every 5th request traced by the server: 50 steps each (a prefill, 49
 decodes) in a compiled batch of 4, lanes shared by consecutive traced requests of a
-cell. Target (issue 5): ≤ 60 s and ≤ 4 GB on 2 cores.
-
-Measured on the 2-core, 24 GiB development machine (load average < 1.5, one run each):
-steps.parquet 28 s wall (30 s CPU), 3.70 GB peak RSS; --steps-jsonl 47 s (56 s CPU),
-3.79 GB. The code before token events were reduced part by part: 42 s, 7.5 GB and 62 s,
-7.9 GB. See docs/analysis.md "At scale".
+cell. The target: ≤ 60 s and ≤ 4 GB on 2 cores. The measured figures, with the command
+that reproduces them, are in docs/performance.md; what the analysis does at this size,
+in docs/analysis.md "At scale".
 
 Usage: .venv/bin/python benchmarks/analysis_scale.py [--requests N] [--keep DIR]
        [--reuse DIR] [--steps-jsonl]

@@ -88,7 +88,7 @@ REFERENCE = REPO / "benchmarks" / "ref_client.py"
 LLMUSER = REPO / "benchmarks" / "llmuser_locustfile.py"
 RATES = [20, 40, 80, 160, 320, 640]
 CONCURRENCY = [16, 64, 256]
-BUDGET_MS = 10.0  # the bar: TTFT p99 error within 10 ms
+BUDGET_MS = 10.0  # the speed target: TTFT p99 error within 10 ms
 
 
 # ------------------------------------------------------------------ clients

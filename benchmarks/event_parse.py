@@ -7,7 +7,7 @@ it, many times over, with the adapters' fast path on (`_chunked`'s plain chunks,
 `Adapter.fast_event`) and off (the general path only: ChunkedDecoder, SSEParser, `json`
 and the adapter's checks). It prints µs per event of each, and their ratio: the general
 path is the reference, measured in the same run. Both give the same outcome
-(tests/load/test_fastpath.py).
+(tests/measure/test_fastpath.py).
 
 Part 2 (`--engine`, needs two cores to mean anything): the thread I/O engine's loop
 alone (no Locust, no greenlets: requests made on the engine's own loop, the main thread

@@ -45,8 +45,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.load.locustproc import LOCUSTFILE, free_port  # noqa: E402
-from tests.simproc import SimProcess  # noqa: E402
+from tests.support.locustproc import LOCUSTFILE, free_port  # noqa: E402
+from tests.support.simproc import SimProcess  # noqa: E402
 
 PROBE = str(REPO / "benchmarks" / "master_probe.py")
 REPLAY = REPO / "benchmarks" / "replay_workers.py"

@@ -13,7 +13,7 @@ user] (user: the closed-loop user's index, null in open loop).
 does. Each socket's reads are a Python callback on the loop (`add_reader`), each a
 `recvmsg` carrying the kernel's receive time (SO_TIMESTAMPNS), which stamps the read's
 tokens; the rest is as above. What this costs over uvloop's C transport is what any
-Python client with kernel stamps pays before it parses a byte (docs/measurement.md:
+Python client with kernel stamps pays before it parses a byte (docs/performance.md:
 benchmarks/client_speed.py runs it as client `floor`).
 
 Usage: python benchmarks/ref_client.py --url http://127.0.0.1:PORT --seconds 10

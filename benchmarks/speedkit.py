@@ -3,7 +3,7 @@ server started and stopped (benchmarks/exact_server.py), one point's figures aga
 its truth, and the client's CPU over the steady middle of a point, by thread.
 
 A module of its own: client_speed.py is the side-by-side benchmark (its clients, its
-report, issue 18's targets); this is what any benchmark of a client against the exact
+report, its speed targets); this is what any benchmark of a client against the exact
 server measures with.
 """
 

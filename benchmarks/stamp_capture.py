@@ -98,7 +98,7 @@ def capture_run(
         url, port = server.url, server.port
         if tls:
             sys.path.insert(0, str(REPO))
-            from tests.load.tlsproxy import Nginx, make_pki
+            from tests.support.tlsproxy import Nginx, make_pki
 
             pki = make_pki(tmp / "pki")
             proxy = Nginx(tmp, f"127.0.0.1:{server.port}", pki, "capture-key").start()

@@ -165,7 +165,7 @@ def warm_up(url: str, prompt: Prompt) -> None:
 def run_floor(url: str, prompt: Prompt, duration: float, max_tokens: int) -> list[Outcome]:
     """The machine's floor: one blocking http.client reader, no gevent, same join.
 
-    It stamps each read the moment `read1` returns, like `tests/simproc.py`; what it
+    It stamps each read the moment `read1` returns, like `tests/support/simproc.py`; what it
     shows beyond zero is loopback delivery and scheduling on this machine right now.
     """
     hostport = url.removeprefix("http://")

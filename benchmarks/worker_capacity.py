@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.load.locustproc import LOCUSTFILE, free_port  # noqa: E402
-from tests.simproc import SimProcess  # noqa: E402
+from tests.support.locustproc import LOCUSTFILE, free_port  # noqa: E402
+from tests.support.simproc import SimProcess  # noqa: E402
 
 TARGET_MS = 1.0
 

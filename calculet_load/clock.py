@@ -7,7 +7,7 @@ so it is never used for a duration. A `ClockAnchor` pairs the two once, and
 
 `SystemClock` reads `time.monotonic_ns` and `time.time_ns`. On Linux, CPython reads both
 `monotonic_ns` and `perf_counter_ns` from clock_gettime(CLOCK_MONOTONIC), so the two give
-the same values at the same 1 ns resolution (tests/load/test_clock.py checks this). We
+the same values at the same 1 ns resolution (tests/base/test_clock.py checks this). We
 name `monotonic` because that is the property durations rely on. CLOCK_MONOTONIC is
 shared by every process on a host (outside time namespaces), so the stamps of a client
 and a server on one machine can be compared directly. NTP slews it but never steps it.
@@ -49,7 +49,7 @@ class Clock(Protocol):
 
 
 # TEST ONLY: shifts this process's wall clock (never its monotonic clock) by this many ns,
-# so one machine can play hosts whose clocks disagree (tests/load/test_netns.py). Read
+# so one machine can play hosts whose clocks disagree (tests/locust/test_netns.py). Read
 # once at import; unset in any real run. libfaketime would also shift CLOCK_MONOTONIC and
 # the threads of zmq and the sink, which is more than the test wants.
 TEST_WALL_SHIFT_ENV = "CALCULET_TEST_WALL_SHIFT_NS"

@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
+
+# The suite's other fixtures (the receive stamps held on, accept's keys, environment and
+# child processes) live with the helpers in tests/support/.
+pytest_plugins = ["tests.support.fixtures"]
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -15,7 +19,7 @@ SHARED = REPO.parent / "shared"
 # Locust's self-check (--accuracy-ms, 10 ms by default) judges whether the client kept
 # up. The suite runs side by side on a busy machine where it often does not (stamps late
 # by up to 4.6 s in the parallel phase of a fresh-clone run), and no test but the
-# self-check's own (tests/load/test_accuracy.py, the benchmark's smoke) is about that:
+# self-check's own (tests/locust/test_accuracy.py, the benchmark's smoke) is about that:
 # every Locust process a test starts inherits this budget, 60 s (off in effect); a test
 # of the check passes --accuracy-ms itself (the command line wins over the environment).
 os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
@@ -25,17 +29,17 @@ os.environ.setdefault("LOCUST_ACCURACY_MS", "60000")
 # files' seconds alone on this machine (in brackets). A file without an entry is a lane of
 # its own; give a new quiet file the lane with the fewest seconds.
 QUIET_LANES = {
-    "tests/load/test_head_of_line.py": 1,  # [50]
+    "tests/drivers/accept/test_head_of_line.py": 1,  # [50]
     "tests/analysis/test_e2e.py": 1,  # [27]
-    "tests/load/test_soak_stage_rules.py": 1,  # [25]
+    "tests/drivers/soak/test_soak_stage_rules.py": 1,  # [25]
     "tests/analysis/test_report_browser.py": 2,  # [48]
-    "tests/load/test_pipeline.py": 2,  # [32]
-    "tests/load/test_capacity.py": 2,  # [60]: its capacity search only
-    "tests/load/test_soak.py": 3,  # [40]
+    "tests/drivers/accept/test_pipeline.py": 2,  # [32]
+    "tests/drivers/capacity/test_capacity.py": 2,  # [60]: its capacity search only
+    "tests/drivers/soak/test_soak.py": 3,  # [40]
     "tests/analysis/test_e2e_stability.py": 3,  # [32]
-    "tests/load/test_record_safety.py": 3,  # [9]
+    "tests/measure/test_record_safety.py": 3,  # [9]
     "tests/sim/test_prefix_cache_timing.py": 3,  # [10]
-    "tests/load/test_conversations.py": 1,  # [17]
+    "tests/workload/test_conversations.py": 1,  # [17]
 }
 
 

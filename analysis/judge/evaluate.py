@@ -68,7 +68,7 @@ NEEDS = {
 
 def _on_this_target(v: RuleVerdict, run: Evidence) -> RuleVerdict:
     """A `no data` verdict of a rule whose data the target cannot give says so: "not
-    available: the llama.cpp target has no device telemetry" (issue 17)."""
+    available: the llama.cpp target has no device telemetry"."""
     need = NEEDS.get(v.kind)
     if need is None or v.status is not Status.NOT_EVALUATED or not v.reason.startswith("no data"):
         return v

@@ -158,7 +158,7 @@ def not_evaluated(
     suffix: str = "",
 ) -> RuleVerdict:
     """The one constructor of a `not_evaluated` verdict: disabled, not configured
-    ("not configured: set <field> ..."), no data, or (issue 17) not available on the
+    ("not configured: set <field> ..."), no data, or not available on the
     target. The reason says which, and what to do next."""
     return verdict_for(
         rule, Status.NOT_EVALUATED, observed, threshold, n, reason, details, suffix=suffix

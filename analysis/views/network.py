@@ -1,4 +1,4 @@
-"""The report's clocks-and-network tables, from `client/index.json` (issue 15).
+"""The report's clocks-and-network tables, from `client/index.json`.
 
 Per worker: the master's measurement of its wall-clock offset (master − worker, the
 convention of calculet_load.schema.clocks) and of the message round trip, and the round

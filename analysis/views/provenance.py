@@ -326,7 +326,7 @@ def provenance_section(rv: RunView, base: RunView | None) -> Section:
     if rv.table is not None:
         s.tables.append(_versions(rv))
         s.tables.append(_hosts(rv))
-    for extra in (network_table(rv.index), bursts_table(rv.index, _bursts(rv))):  # issue 15
+    for extra in (network_table(rv.index), bursts_table(rv.index, _bursts(rv))):
         if extra is not None:
             s.tables.append(extra)
     s.intro.append(_clocks(rv))

@@ -46,7 +46,7 @@ class Coordinator:
         # a run without workers: this process's own Worker (None between runs)
         self.local_worker = local_worker
         self.stats = LiveStats()
-        self.llm = LLMTable()  # issue 15: the LLM tab, CSV and HTML section (merged)
+        self.llm = LLMTable()  # the LLM tab, CSV and HTML section (merged)
         self.reports: dict[str, dict[str, Any]] = {}
         self.worker_state: dict[str, dict[str, Any]] = {}
         self.plan: Plan | None = None
@@ -60,10 +60,10 @@ class Coordinator:
         self._burster: gevent.Greenlet[..., Any] | None = None
         self._bursts_changed = gevent.event.Event()
         self._burst_seq = 0
-        self._sampler: ServerSampler | None = None  # issue 9
-        # issue 15: each worker's wall-clock offset to this master (set up on a master)
+        self._sampler: ServerSampler | None = None  # the target's /metrics and process
+        # each worker's wall-clock offset to this master (set up on a master)
         self.clock_sync: ClockSync | None = None
-        # issue 17: what fetch_traces did at this run's stop (the index's server_traces)
+        # what fetch_traces did at this run's stop (the index's server_traces)
         self.server_traces: dict[str, Any] | None = None
         self.refused: str | None = None  # why the last start was refused (the start check)
 
@@ -111,7 +111,7 @@ class Coordinator:
         opts.calculet_plan = self.plan.to_json()
         self.series.start(run_dir)
         self.write_index("running")
-        # issue 9: the target's /metrics and process into server/ while the run goes on
+        # the target's /metrics and process into server/ while the run goes on
         if self._sampler is not None:
             self._sampler.stop()
         self._sampler = sampler_for_run(
@@ -140,12 +140,12 @@ class Coordinator:
         if self._burster is not None:
             self._burster.kill()
             self._burster = None
-        if self._sampler is not None:  # issue 9
+        if self._sampler is not None:
             self._sampler.stop()
             self._sampler = None
         self.ended_wall_ns = time.time_ns()
 
-    # --- the target's traces at stop (issue 17) -------------------------------------------
+    # --- the target's traces at stop ----------------------------------------------------
     def fetch_traces(self) -> dict[str, Any]:
         """Copy the target's traces of this run into `server/` (calculet_load.target.traces)
         and keep what was done for the index. Never raises: a target without traces is

@@ -115,7 +115,7 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         runner.register_message("calculet_stop", _on_stop_msg)
         from calculet_load.locust import clocksync as locust_clocksync
 
-        locust_clocksync.install_worker(runner)  # issue 15: answer the master's clock pings
+        locust_clocksync.install_worker(runner)  # answer the master's clock pings
         from calculet_load.locust import cells as locust_cells
 
         locust_cells.install_worker(runner)  # the shares of a distributed `accept`
@@ -124,7 +124,7 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         from calculet_load.locust.clocksync import ClockSync
 
         assert STATE.master is not None
-        sync = STATE.master.clock_sync = ClockSync(runner)  # issue 15
+        sync = STATE.master.clock_sync = ClockSync(runner)  # each worker's clock offset
         sync.start(lambda: float(options(environment).clock_sync_every))
     if environment.web_ui is not None:
         from calculet_load.locust import webui as locust_webui
@@ -143,8 +143,8 @@ def _on_init(environment: Environment, **_kw: Any) -> None:
         console.install(environment, llm_table, lambda: _master().reports.values())
     from calculet_load.locust import llm as locust_llm
 
-    locust_llm.install(environment, llm_table, _reset_llm)  # issue 15: CSV, HTML, resets
-    if int(environment.parsed_options.metrics_port) > 0:  # issue 9
+    locust_llm.install(environment, llm_table, _reset_llm)  # CSV, HTML, resets
+    if int(environment.parsed_options.metrics_port) > 0:  # the Prometheus exposition
         from calculet_load.locust import prom
 
         prom.install(environment, live_stats, lambda: STATE.plan)

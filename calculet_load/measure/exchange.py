@@ -198,7 +198,7 @@ def _chunked(rd: Reads, body: ChunkedDecoder, status: int, cancel: CancelAt) -> 
     (`Run.on_plain`), that event is read from the bytes as they are; at the first that is
     not, nothing of it consumed, the rest of the read goes the general way
     (`ChunkedDecoder.feed`, `Run.on_sse`). The outcome is the same either way
-    (tests/load/test_fastpath.py)."""
+    (tests/measure/test_fastpath.py)."""
     run = rd.run
     switch = cancel if isinstance(cancel, StreamCancel) else None
     quick = (cancel is None or switch is not None) and run.adapter.fast

@@ -17,7 +17,7 @@ sources as they are, so what runs is always what the source says. `STATE` says w
 in use, and why (benchmarks/client_speed.py and event_parse.py print it).
 
 Compiled code checks the annotated types at run time (a value of another type raises
-TypeError where the source would have carried it on); tests/load/test_native.py compares
+TypeError where the source would have carried it on); tests/measure/test_native.py compares
 the compiled modules' outcomes with the sources' and runs the parsers' tests on the
 sources."""
 

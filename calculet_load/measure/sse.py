@@ -19,9 +19,9 @@ Lines are cut on the CR/LF bytes and each complete line is then decoded on its o
 is the same as decoding the whole stream first: CR and LF are ASCII, no byte of a UTF-8
 multi-byte sequence is below 0x80, and the decoder never folds an ASCII byte into an
 invalid sequence. A character split across reads waits in the line buffer until its line
-ends. tests/load/test_sse.py checks this against a literal transcription of the spec.
+ends. tests/measure/test_sse.py checks this against a literal transcription of the spec.
 
-Why not sseclient-py: measured by the `test_sseclient_*` tests in tests/load/test_sse.py,
+Why not sseclient-py: measured by the `test_sseclient_*` tests in tests/measure/test_sse.py,
 version 1.9 hands over an event whose final CR and LF arrive in different reads only with
 the next read, merges events separated by mixed line endings, dispatches an unterminated
 event at EOF, drops the first event after a BOM, raises on invalid UTF-8 and forgets the

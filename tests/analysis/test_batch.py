@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze
-from tests.analysis.runs import MS, RunBuilder, request, step_row
+from tests.support.runs import MS, RunBuilder, request, step_row
 
 B4 = {"id": "batch", "kind": "batch", "compiled_batch": 4}
 

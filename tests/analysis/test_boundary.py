@@ -15,7 +15,7 @@ from analysis.analyze import analyze, write_outputs
 from analysis.judge.rules import DEFAULT_RULES
 from analysis.report import write_report
 from calculet_load.schema.records import RequestRecord, Result
-from tests.analysis.runs import MS, RunBuilder, request
+from tests.support.runs import MS, RunBuilder, request
 
 BOUNDARY = "boundary-p40959-o32"
 VERDICT = f"boundary_policy.{BOUNDARY}"

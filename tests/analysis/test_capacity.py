@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze
-from tests.analysis.runs import MS, WALL0, RunBuilder, request, server_chain, step_row
+from tests.support.runs import MS, WALL0, RunBuilder, request, server_chain, step_row
 
 N = 400  # per rate: enough values for a P99 upper bound at 95% (n ≥ 368)
 

@@ -16,7 +16,7 @@ from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
 from analysis.tables.summary import summary_table
 from calculet_load.schema.records import RequestRecord, TokenEvent
-from tests.analysis.runs import MS, RunBuilder, request
+from tests.support.runs import MS, RunBuilder, request
 
 
 def _summaries(run_dir: str, trim: float = 0.0):  # type: ignore[no-untyped-def]

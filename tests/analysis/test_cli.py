@@ -11,7 +11,7 @@ import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
-from tests.analysis.runs import MS, RunBuilder, request, selfwatch
+from tests.support.runs import MS, RunBuilder, request, selfwatch
 
 N = 60  # requests per run: enough for P50 intervals, too few for P99 (needs 368)
 

@@ -25,7 +25,7 @@ from calculet_load.schema.clocks import (
     rtt_summary,
     to_reference_ns,
 )
-from tests.analysis.runs import MS, WALL0, RunBuilder, request
+from tests.support.runs import MS, WALL0, RunBuilder, request
 
 
 def _chrony(system_time_s: str) -> str:

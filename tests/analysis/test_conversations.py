@@ -2,7 +2,7 @@
 cached share (analysis.tables.conversations, `conversations.*`) and the TTFT-vs-context
 plot.
 
-Every figure is checked by hand against tiny run folders (tests/analysis/runs.py); the
+Every figure is checked by hand against tiny run folders (tests/support/runs.py); the
 report is rendered through the real templates.
 """
 
@@ -21,8 +21,8 @@ from analysis.analyze import analyze, write_outputs
 from analysis.report import build_view, render
 from analysis.tables.conversations import SHARE_GROUPS, share_groups
 from analysis.views import plots
-from tests.analysis.runs import MS, RunBuilder, request
 from tests.analysis.test_report import check_self_contained
+from tests.support.runs import MS, RunBuilder, request
 
 CELL = "chat|c2|closed|stream"
 

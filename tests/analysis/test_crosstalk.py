@@ -12,7 +12,7 @@ import yaml
 
 from analysis.analyze import analyze
 from calculet_load.schema.crosstalk import Sent, compare
-from tests.analysis.runs import MS, RunBuilder, request
+from tests.support.runs import MS, RunBuilder, request
 
 RULES = [
     {"id": "no_crosstalk", "kind": "crosstalk", "cells": ["crosstalk:*"]},

@@ -14,8 +14,8 @@ import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
-from tests.load.locustproc import LocustRun
-from tests.simproc import SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import SimProcess
 
 RUN_S = 8.0
 LOAD = ["-u", "1", "-r", "1", "--prompt-tokens", "512", "--max-tokens", "16"]

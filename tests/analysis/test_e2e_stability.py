@@ -17,8 +17,8 @@ import yaml
 from analysis.judge.rules import DEFAULT_RULES
 from calculet_load.cli import main
 from calculet_load.target.resources import ResourceSampler, sample_resources
-from tests.load.locustproc import LocustRun
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 # the leak's RSS growth needs the request count a quiet machine reaches; the fault run's
 # time-scaled simulator needs its timing (quiet: after the parallel phase, beside one other

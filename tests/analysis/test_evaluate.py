@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from analysis.analyze import analyze
-from tests.analysis.runs import MS, RunBuilder, device_row, request
+from tests.support.runs import MS, RunBuilder, device_row, request
 
 N = 60
 
@@ -105,7 +105,7 @@ def test_throughput_gain(tmp_path: Path) -> None:
 
 
 def test_throughput_gain_near_its_target_is_inconclusive(tmp_path: Path) -> None:
-    """Issue 19 item 3: the gain has an interval (batch means), so a gain near the target
+    """The gain has an interval (batch means), so a gain near the target
     is INCONCLUSIVE, not a pass or a fail on a point estimate."""
     rule = {"id": "tp", "kind": "throughput_gain", "min_gain_pct": 10}
     base = _run(tmp_path / "base", spacing_ms=200, cells=("target",))
@@ -178,7 +178,7 @@ def test_disabled_rules_are_reported_not_evaluated(tmp_path: Path) -> None:
 
 
 def test_the_reports_throughput_comparison_has_an_interval(tmp_path: Path) -> None:
-    """The paired comparison's throughput table (issue 19 item 3): the gain with its
+    """The paired comparison's throughput table: the gain with its
     interval, a win only when the interval excludes 0."""
     from analysis.analyze import write_outputs
     from analysis.report import build_view, render

@@ -15,8 +15,8 @@ from scipy import stats as st
 
 from analysis.analyze import analyze
 from analysis.stats.goodput import goodput, meets_slos, proportion_ci
-from tests.analysis.runs import MS, RunBuilder, request
 from tests.analysis.test_capacity import _sweep
+from tests.support.runs import MS, RunBuilder, request
 
 NAN = math.nan
 

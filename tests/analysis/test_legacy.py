@@ -11,9 +11,9 @@ import pytest
 
 from analysis.legacy import load_legacy_trend
 from calculet_load.cli import main
-from tests.analysis.runs import RunBuilder, request
+from tests.support.runs import RunBuilder, request
 
-CSV = Path(__file__).parent / "data" / "legacy-163.csv"
+CSV = Path(__file__).parents[1] / "data" / "legacy-163.csv"
 
 
 def test_the_163_rows_import_as_a_flagged_trend(

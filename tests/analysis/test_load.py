@@ -13,7 +13,7 @@ import pytest
 
 from analysis.errors import ArtifactError
 from analysis.tables.join import load_run
-from tests.analysis.runs import MS, RunBuilder, device_row, request, server_chain, step_row
+from tests.support.runs import MS, RunBuilder, device_row, request, server_chain, step_row
 
 A = 1_002_000_000  # server `accepted` of r1, monotonic ns
 

@@ -12,7 +12,7 @@ import yaml
 from analysis.errors import ArtifactError
 from analysis.tables.join import load_run
 from analysis.views.network import burst_spreads, bursts_table, master_offsets, network_table
-from tests.analysis.runs import MS, RunBuilder, request
+from tests.support.runs import MS, RunBuilder, request
 
 REPO = Path(__file__).resolve().parents[2]
 

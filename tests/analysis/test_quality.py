@@ -18,7 +18,7 @@ from calculet_load.schema.selfwatch import (
     SATURATED_CPU_PERCENT,
     SATURATED_LAG_MS,
 )
-from tests.analysis.runs import MS, WALL0, RunBuilder, request, selfwatch
+from tests.support.runs import MS, WALL0, RunBuilder, request, selfwatch
 
 S = 1_000 * MS
 
@@ -352,7 +352,7 @@ def test_a_malformed_plan_exclusion_is_an_artifact_error(tmp_path: Path) -> None
 
 
 def test_warmup_samples_are_not_judged_and_the_load_still_is(tmp_path: Path) -> None:
-    """Issue 15: the worker's start-up (warm-up sample, saturated by building prompts)
+    """The worker's start-up (warm-up sample, saturated by building prompts)
     flags nothing; a saturated sample of the load still flags its requests."""
     b = RunBuilder(tmp_path)
     start_up = dataclasses.replace(

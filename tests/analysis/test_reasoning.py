@@ -8,8 +8,8 @@ from pathlib import Path
 
 from analysis.analyze import analyze, write_outputs
 from analysis.report import build_view, render
-from tests.analysis.runs import MS, RunBuilder, request
 from tests.analysis.test_report import check_self_contained
+from tests.support.runs import MS, RunBuilder, request
 
 
 def _reasoning_run(root: Path) -> str:

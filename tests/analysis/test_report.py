@@ -33,7 +33,7 @@ from analysis.tables.cells import CellKey
 from analysis.views.model import label_column
 from calculet_load.cli import main
 from calculet_load.measure.prompts import sample_words
-from tests.analysis.runs import (
+from tests.support.runs import (
     MS,
     WALL0,
     RunBuilder,
@@ -43,7 +43,7 @@ from tests.analysis.runs import (
     server_chain,
     step_row,
 )
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -1,4 +1,4 @@
-"""Reports of real simulator runs opened in headless Chromium (issue 6 and issue 9).
+"""Reports of real simulator runs opened in headless Chromium.
 
 Four kinds of run are produced at once on loopback, each as cheaply as it can be: a
 pair of short Locust runs (a baseline and a build whose decode step is 30% slower: a
@@ -7,7 +7,7 @@ REGRESSION; the baseline alone is the passing report), one broken fault scenario
 with the simulator's leak knob on (a LEAK). Each report is opened in Chromium with the
 page's CSP in force: the verdict, the counter-example sections and the plots are found,
 the console has no error, the browser made no network request, and a screenshot is
-kept. The Locust runs also sample the server's /metrics and process (issue 9): those
+kept. The Locust runs also sample the server's /metrics and process: those
 series appear in the report's time series.
 """
 
@@ -36,8 +36,8 @@ from analysis.views.model import fmt_num
 from tests.analysis.test_report import CHROMEDRIVER, CHROMIUM, Page, banner_code
 from tests.analysis.test_report import check_self_contained as self_contained
 from tests.conftest import REPO
-from tests.load.locustproc import LocustRun
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.locustproc import LocustRun
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 # the regression report compares two real-time runs, and short Locust runs lose requests
 # on a busy machine: quiet (after the parallel phase, beside one other file at most)
@@ -107,7 +107,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         soak = subprocess.Popen(
             _cli("soak", "--manifest", str(MANIFEST), "--url", soak_sim.url,
                  "--run-dir", str(soak_dir), "--rules",
-                 str(REPO / "tests/load/data/soak-rules.yaml"), "--stage", "dev",
+                 str(REPO / "tests/data/soak-rules.yaml"), "--stage", "dev",
                  "--duration-scale", "0.15", "--target-rate", "0.25"),
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -305,7 +305,7 @@ def test_soak_leak_report(runs: Runs, browser: Any) -> None:
 
 
 def test_server_metrics_and_process_samples_appear_in_the_time_series(runs: Runs) -> None:
-    """Issue 9: a Locust run samples the server's /metrics and process into the run
+    """A Locust run samples the server's /metrics and process into the run
     folder; the report's time series show both."""
     server = runs.regression / "server"
     assert (server / "metrics.jsonl").stat().st_size and (server / "process.jsonl").stat().st_size
@@ -336,7 +336,7 @@ def test_server_metrics_and_process_samples_appear_in_the_time_series(runs: Runs
 
 
 def test_a_script_the_server_sends_back_stays_inert(runs: Runs, browser: Any) -> None:
-    """Issue 6: a server string (the simulator's error message echoing the model name)
+    """A server string (the simulator's error message echoing the model name)
     reaches the report escaped, and Chromium runs no script of it."""
     html = (runs.injected / "report.html").read_text()
     page = self_contained(html)  # no <script> element at all

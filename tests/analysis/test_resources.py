@@ -14,7 +14,7 @@ from analysis.analyze import analyze, write_outputs
 from analysis.judge.verdict import render_summary
 from analysis.report import build_view
 from calculet_load.target.resources import parse_metrics
-from tests.analysis.runs import WALL0, RunBuilder, request
+from tests.support.runs import WALL0, RunBuilder, request
 
 MB = 1_000_000
 GATES = {"rss_bytes": 64 * 2**20, "fds": 10, "leases_unavailable": 1, "kv_allocated_tokens": 4096}

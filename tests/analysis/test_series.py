@@ -28,7 +28,7 @@ from analysis.tables.series import (
     series_table,
 )
 from calculet_load.schema.arrow import SelfWatchRow, token_events_table
-from tests.analysis.runs import MS, WALL0, RunBuilder, request, tokens_for
+from tests.support.runs import MS, WALL0, RunBuilder, request, tokens_for
 
 S = 1000 * MS
 

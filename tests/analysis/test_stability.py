@@ -1,4 +1,4 @@
-"""Spec §13 stage conditions as rules (issue 19 item 6): recovery after each burst
+"""Spec §13 stage conditions as rules: recovery after each burst
 (candidate, release), zero unrecovered device faults (release), the SLA as `slo` rules,
 the stage rules files over the default (`extends`), and the soak's conditions naming
 them. Hand-built run folders with known bursts and faults (integer ns)."""
@@ -17,8 +17,8 @@ from analysis.judge.rules import DEFAULT_RULES, load_rules
 from analysis.report import write_report
 from calculet_load.soak.judge import STAGE_RULES, _rule_condition, endurance_note
 from calculet_load.soak.stage import load_stage
-from tests.analysis.runs import MS, WALL0, RunBuilder, device_row, request
 from tests.analysis.test_report import Page
+from tests.support.runs import MS, WALL0, RunBuilder, device_row, request
 
 S = 1000 * MS
 

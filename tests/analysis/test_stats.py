@@ -224,7 +224,7 @@ def _mc_se(p: float, reps: int) -> float:
 
 @pytest.mark.parametrize("dist", sorted(DISTRIBUTIONS))
 def test_order_statistic_and_bootstrap_intervals_cover_95_percent(dist: str) -> None:
-    """Spec §9 / issue 19: both percentile intervals of `S.percentiles` (binomial order
+    """Spec §9: both percentile intervals of `S.percentiles` (binomial order
     statistic, what the rules read; exact percentile bootstrap, beside it) cover the true
     P50/P90/P99 within 93–97% at nominal 95%, n = 2000, over 10 000 seeded samples.
 

@@ -1,4 +1,4 @@
-"""Spec §10 and §17 fields (issue 19 item 8): slot and admission waits apart from the
+"""Spec §10 and §17 fields: slot and admission waits apart from the
 queue, jobs left on the device, and the vendor's counters (`server/vendor.jsonl`,
 `calculet-load schema vendor`) joined to the records by request id as steps are; and
 without that file, every section that would need it says "graph/service level only
@@ -20,8 +20,8 @@ from analysis.report import write_report
 from analysis.tables.join import load_run
 from analysis.tables.vendor import GRAPH_SERVICE_ONLY
 from calculet_load.cli import main
-from tests.analysis.runs import MS, WALL0, RunBuilder, device_row, request, server_chain, step_row
 from tests.analysis.test_report import Page
+from tests.support.runs import MS, WALL0, RunBuilder, device_row, request, server_chain, step_row
 
 SENTENCE = "graph/service level only (§17)"
 

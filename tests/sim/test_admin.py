@@ -15,7 +15,7 @@ import pytest
 
 from calculet_sim.faults import SCENARIOS
 from tests.sim import test_faults_lifecycle, test_faults_requests, test_faults_runtime
-from tests.sim.faultkit import (
+from tests.support.faultkit import (
     FAST,
     PROMPT,
     background,
@@ -25,8 +25,8 @@ from tests.sim.faultkit import (
     wait_state,
     whole,
 )
-from tests.sim.helpers import COMPLETIONS, LLAMA
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simhelpers import COMPLETIONS, LLAMA
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.sim.helpers import CHAT, COMPLETIONS, LLAMA
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, COMPLETIONS, LLAMA
+from tests.support.simproc import SimProcess
 
 MSG = [{"role": "user", "content": "hello"}]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.sim.helpers import CHAT, COMPLETIONS, LLAMA, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, COMPLETIONS, LLAMA, prompt_ids
+from tests.support.simproc import SimProcess
 
 FFFD = "\ufffd"
 

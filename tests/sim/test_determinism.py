@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from calculet_sim.tokens import token_hash
-from tests.sim.helpers import CHAT, COMPLETIONS, LLAMA, llama, llama_ids, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, COMPLETIONS, LLAMA, llama, llama_ids, prompt_ids
+from tests.support.simproc import SimProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

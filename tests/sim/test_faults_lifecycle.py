@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.sim.faultkit import (
+from tests.support.faultkit import (
     FAST,
     arm,
     background,
@@ -23,8 +23,8 @@ from tests.sim.faultkit import (
     wait_state,
     whole,
 )
-from tests.sim.helpers import prompt_ids
-from tests.simproc import ADMIN_TOKEN, SimProcess
+from tests.support.simhelpers import prompt_ids
+from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 StartSim = Callable[..., SimProcess]
 

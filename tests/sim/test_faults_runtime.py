@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.sim.faultkit import (
+from tests.support.faultkit import (
     FAST,
     arm,
     background,
@@ -22,8 +22,8 @@ from tests.sim.faultkit import (
     wait_state,
     whole,
 )
-from tests.sim.helpers import prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import prompt_ids
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from calculet_sim.prefix_cache import PrefixCache
 from calculet_sim.tokens import Tokenizer
-from tests.sim.helpers import CHAT, COMPLETIONS, LLAMA, by_request, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, COMPLETIONS, LLAMA, by_request, prompt_ids
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 FAST = ("--time-scale", "0.01")

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.sim.helpers import CHAT, LLAMA, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, LLAMA, prompt_ids
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 # real milliseconds compared with each other, with margins of 100 ms: two neighbours

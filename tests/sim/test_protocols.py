@@ -9,8 +9,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SHARED
-from tests.sim.helpers import CHAT, COMPLETIONS, LLAMA, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, COMPLETIONS, LLAMA, prompt_ids
+from tests.support.simproc import SimProcess
 
 CAPTURES = SHARED / "protocol-samples" / "llama.cpp"
 MESSAGES = [

@@ -18,8 +18,8 @@ from calculet_sim.tokens import (
     key_of,
     token_hash,
 )
-from tests.sim.helpers import CHAT, COMPLETIONS, LLAMA
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, COMPLETIONS, LLAMA
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 FAST = ("--time-scale", "0.01")

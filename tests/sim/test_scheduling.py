@@ -11,8 +11,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.sim.helpers import COMPLETIONS, LLAMA, llama, parallel, prompt_ids, wait_steps
-from tests.simproc import SimProcess, Stream
+from tests.support.simhelpers import COMPLETIONS, LLAMA, llama, parallel, prompt_ids, wait_steps
+from tests.support.simproc import SimProcess, Stream
 
 StartSim = Callable[..., SimProcess]
 FULL = 40_959

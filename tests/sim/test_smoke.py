@@ -1,4 +1,4 @@
-from tests.simproc import SimProcess
+from tests.support.simproc import SimProcess
 
 
 def test_llama_stream_ends_with_stop_event(fast_sim: SimProcess) -> None:

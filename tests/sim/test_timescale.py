@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.sim.helpers import LLAMA, llama, prompt_ids, wait_steps
-from tests.simproc import SimProcess
+from tests.support.simhelpers import LLAMA, llama, prompt_ids, wait_steps
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 SLOW_STEPS = ("--set", "timing.decode_base_ms=200", "--set", "timing.jitter=0",

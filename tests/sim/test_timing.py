@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.sim.helpers import device_ms, llama, median, parallel, prompt_ids, wait_steps
-from tests.simproc import SimProcess
+from tests.support.simhelpers import device_ms, llama, median, parallel, prompt_ids, wait_steps
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 # real milliseconds measured against each other: run alone

@@ -25,8 +25,8 @@ from calculet_load.schema import (
     row_to_dict,
 )
 from calculet_sim.traces import row_dict
-from tests.sim.helpers import CHAT, LLAMA, by_request, llama, parallel, prompt_ids
-from tests.simproc import SimProcess
+from tests.support.simhelpers import CHAT, LLAMA, by_request, llama, parallel, prompt_ids
+from tests.support.simproc import SimProcess
 
 StartSim = Callable[..., SimProcess]
 CHAIN = [
