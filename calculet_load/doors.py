@@ -1,6 +1,6 @@
 """What a driver (accept, soak) may ask of the analysis, passed in from above.
 
-The drivers never import `analysis`: `calculet_load.commands` builds an `AnalysisDoor`
+The drivers never import `analysis`: `calculet_drivers.commands` builds an `AnalysisDoor`
 from it and hands it down (docs/architecture.md), so the import arrows point one way
 and a driver can run, and be tested, without the analysis installed.
 """

@@ -20,7 +20,7 @@ import pyarrow.csv as pa_csv
 import pytest
 import yaml
 
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.measure.client import Timeouts, run_in_greenlet
 from calculet_load.measure.prompts import (
     LocalTokenizer,

@@ -1,4 +1,4 @@
-"""The drivers' shared steps (calculet_load.drive.steps): a sequence run on a typed
+"""The drivers' shared steps (calculet_drivers.skeleton.steps): a sequence run on a typed
 context, each step's start and end in events.jsonl with its outcome and reason."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.drive.steps import EventLog, Step, StepResult, analyze, run_steps
+from calculet_drivers.skeleton.steps import EventLog, Step, StepResult, analyze, run_steps
 from calculet_load.errors import RunStop
 
 

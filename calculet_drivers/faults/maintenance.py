@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from calculet_load.faults.observe import Check, Observation, ReqObs
-from calculet_load.faults.spec import FaultScenario
+from calculet_drivers.faults.observe import Check, Observation, ReqObs
+from calculet_drivers.faults.spec import FaultScenario
 from calculet_load.schema.manifest import Maintenance
 
 # The audit action the simulator logs for each admin call (DESIGN §3.3): a client call

@@ -2,7 +2,7 @@
 
 `soak/state.json` holds the stage's plan, its planned end on the wall clock and each
 client process (attempt) that ran it. A process killed mid-stage (SIGKILL, OOM, host
-reboot) leaves its closed Parquet parts and samples; `--resume` (calculet_load/soak/run.py)
+reboot) leaves its closed Parquet parts and samples; `--resume` (calculet_drivers/soak/run.py)
 checks the state here, cuts the lines the dead process left half-written, and records
 the gap: from the last record or sample of the dead process to the resume, with its
 reason. `client/index.json` lists every attempt as a worker.
@@ -20,9 +20,9 @@ from typing import Any
 
 import psutil
 
+from calculet_drivers.soak.stage import StageError
 from calculet_load.clock import wall_iso
 from calculet_load.schema.runfolder import ClientIndex, IndexWorker
-from calculet_load.soak.stage import StageError
 
 STATE_SCHEMA = "calculet-soak-state/v1"
 STATE_FILE = "soak/state.json"

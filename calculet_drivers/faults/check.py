@@ -14,9 +14,9 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from calculet_load.faults.maintenance import maintenance_checks, maintenance_facts
-from calculet_load.faults.observe import TERMINAL_EVENTS, Check, Observation, ReqObs
-from calculet_load.faults.spec import (
+from calculet_drivers.faults.maintenance import maintenance_checks, maintenance_facts
+from calculet_drivers.faults.observe import TERMINAL_EVENTS, Check, Observation, ReqObs
+from calculet_drivers.faults.spec import (
     Bound,
     Count,
     EventCheck,

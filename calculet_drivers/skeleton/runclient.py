@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from calculet_load.drive.target import RunTarget
+from calculet_drivers.skeleton.runtarget import RunTarget
 from calculet_load.measure.client import Timeouts
 from calculet_load.measure.heap import PACER
 from calculet_load.measure.prompts import Prompt, PromptBook, PromptFactory, target_prompts

@@ -1,4 +1,4 @@
-"""`calculet-load accept`: the §15 acceptance run (calculet_load.accept) with the analysis,
+"""`calculet-load accept`: the §15 acceptance run (calculet_drivers.accept) with the analysis,
 alone or interleaved with a baseline target (`--interleave-with`)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import dataclasses
 import os
 import sys
 
-from calculet_load.accept.interleave import Interleaved, interleave_manifest
-from calculet_load.accept.pipeline import Options, Pipeline
-from calculet_load.commands.door import analysis_door
+from calculet_drivers.accept.interleave import Interleaved, interleave_manifest
+from calculet_drivers.accept.pipeline import Options, Pipeline
+from calculet_drivers.commands.door import analysis_door
 from calculet_load.errors import EXIT_INVALID, RunStop
 from calculet_load.ranges import COUNT, PORT, POSITIVE_SECONDS, REPETITIONS, SECONDS, SEED, Number
 from calculet_load.schema.manifest import ManifestError, load_manifest

@@ -21,7 +21,7 @@ repeated; the records of a cell that was cut are kept and excluded with their re
 The matrix's cells are split into shares (calculet_load.workload.dispatch) sent from this process
 on its own gevent loop, or with `--workers N`/`--master` by Locust workers with this
 process as their master (calculet_load.locust.cells). `--interleave-with TARGET` runs a
-baseline target's cells between the candidate's (calculet_load.accept.interleave).
+baseline target's cells between the candidate's (calculet_drivers.accept.interleave).
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ from typing import Any
 import gevent
 import yaml
 
-from calculet_load.accept.crosstalk import run_crosstalk
-from calculet_load.accept.faultstep import run_fault_step
-from calculet_load.clock import clock_provenance
-from calculet_load.doors import AnalysisDoor
-from calculet_load.drive.client import RunClient
-from calculet_load.drive.steps import (
+from calculet_drivers.accept.crosstalk import run_crosstalk
+from calculet_drivers.accept.faultstep import run_fault_step
+from calculet_drivers.skeleton.runclient import RunClient
+from calculet_drivers.skeleton.runtarget import RunTarget
+from calculet_drivers.skeleton.steps import (
     EventLog,
     Step,
     StepOutcome,
@@ -54,7 +53,8 @@ from calculet_load.drive.steps import (
     analyze,
     run_steps,
 )
-from calculet_load.drive.target import RunTarget
+from calculet_load.clock import clock_provenance
+from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import (
     EXIT_FAIL,
     EXIT_INFRA,
@@ -130,7 +130,7 @@ class Options:
     # them: a short run needs samples often enough for their 20 bins)
     resource_interval_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
-    analysis: AnalysisDoor | None = None  # analyze, report, sign (calculet_load.commands)
+    analysis: AnalysisDoor | None = None  # analyze, report, sign (calculet_drivers.commands)
 
 
 class InProcess:
@@ -343,7 +343,7 @@ class Pipeline:
         run_steps(AFTER_MATRIX, self, self.log)
 
     def _faults(self) -> None:
-        """Issue 8: the fault matrix of §12 (calculet_load/faults/matrix.py), with --faults."""
+        """Issue 8: the fault matrix of §12 (calculet_drivers/faults/matrix.py), with --faults."""
         if self.o.extra.get("faults"):
             run_fault_step(self)
 
@@ -586,7 +586,7 @@ class Pipeline:
     # --------------------------------------------------------------- 3b cross-talk
     def _crosstalk(self) -> StepResult:
         """Spec §14.1: the golden set's greedy cases under concurrency against the same
-        requests sent alone (calculet_load.accept.crosstalk). A difference makes the run a
+        requests sent alone (calculet_drivers.accept.crosstalk). A difference makes the run a
         correctness failure (exit 1) and the run goes on: the analysis shows it."""
         if self.golden is None:
             return StepResult.not_available("no golden set given: nothing to compare")
@@ -861,7 +861,7 @@ class Pipeline:
             raise RunStop(EXIT_INFRA, f"prompt: /tokenize unreachable: {exc}") from None
 
 
-# The driver as steps (calculet_load.drive.steps): each logged with its outcome, except
+# The driver as steps (calculet_drivers.skeleton.steps): each logged with its outcome, except
 # the ones whose own rows say more (the workers' port, golden's recorded hashes, faults).
 BEFORE_MATRIX: tuple[Step[Pipeline], ...] = (
     Step("release", Pipeline._release),

@@ -4,7 +4,7 @@ A scenario says how the fault is injected (a list of actions: arm a fault throug
 admin API of DESIGN §3.3, send requests, illegal lengths, bursts, cancels, admin calls,
 waits), what load runs meanwhile, and what must be observed (what the client saw, the
 server's events and state transitions, the admin answers, facts computed from the
-traces). `calculet-load faults` runs them and judges each one (calculet_load/faults/matrix.py).
+traces). `calculet-load faults` runs them and judges each one (calculet_drivers/faults/matrix.py).
 
 Durations in a scenario are seconds of the *target's* time: on a simulator started with
 `--time-scale F` they are multiplied by F (read from `/admin/state`), plus a fixed slack

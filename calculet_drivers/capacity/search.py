@@ -45,9 +45,9 @@ import gevent.pool
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from calculet_drivers.skeleton.runclient import RunClient
+from calculet_drivers.skeleton.runtarget import RunTarget
 from calculet_load.doors import AnalysisDoor
-from calculet_load.drive.client import RunClient
-from calculet_load.drive.target import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.session import RequestSpec
@@ -552,7 +552,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=OUTPUT_TOKENS, default=32)
     p.add_argument("--mix", help="a workload mix (configs/mixes) instead of one shape")
     p.add_argument("--max-in-flight", type=COUNT, default=512, help="client in-flight cap")
-    p.add_argument("--sla", help="SLA YAML (keys of calculet_load.accept.capacity.SLA)")
+    p.add_argument("--sla", help="SLA YAML (keys of calculet_drivers.capacity.search.SLA)")
     p.add_argument("--max-reject-rate", type=FRACTION)
     p.add_argument("--max-queue-p99-ms", type=MILLISECONDS, help="target ms")
     p.add_argument("--max-ttft-p99-ms", type=MILLISECONDS, help="target ms")

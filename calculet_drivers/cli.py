@@ -18,54 +18,54 @@ from calculet_load.ranges import OneLineParser
 # the module's `add_arguments(parser)` and `run(args) -> int` (the exit code).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": (
-        "calculet_load.commands.demo",
+        "calculet_drivers.demo",
         "a smoke acceptance rehearsal against the embedded simulator, ending in a signed "
         "report and an exit code",
         "add_arguments",
         "run",
     ),
     "probe": (
-        "calculet_load.commands.probe",
+        "calculet_drivers.commands.probe",
         "send one request, print its t0..t6 timeline and write its record",
         "add_arguments",
         "run",
     ),
     "check-manifest": (
-        "calculet_load.commands.tools",
+        "calculet_drivers.commands.tools",
         "validate a run manifest (exit 2 with the field path when invalid)",
         "add_check_manifest",
         "check_manifest",
     ),
-    "schema": ("calculet_load.commands.tools", "print a JSON Schema", "add_schema", "schema"),
+    "schema": ("calculet_drivers.commands.tools", "print a JSON Schema", "add_schema", "schema"),
     "export": (
-        "calculet_load.commands.tools",
+        "calculet_drivers.commands.tools",
         "write a run's request records as §3 JSON lines",
         "add_export",
         "export",
     ),
     "accept": (
-        "calculet_load.commands.accept",
+        "calculet_drivers.commands.accept",
         "the acceptance run of §15 in the order of §8: release, idle, golden, warmup, "
         "matrix, golden, resources, traces, analysis, report, signature",
         "add_arguments",
         "run",
     ),
     "faults": (
-        "calculet_load.faults.matrix",
+        "calculet_drivers.faults.matrix",
         "run the fault matrix of §12 (scenarios as data) against a target: faults.json, "
         "a verdict with evidence per scenario",
         "add_arguments",
         "run",
     ),
     "soak": (
-        "calculet_load.commands.soak",
+        "calculet_drivers.commands.soak",
         "run a stability stage of §13 (configs/soak: smoke, dev, candidate, release, "
         "endurance) with resources and traces sampled during the run; leak/hang/abort verdict",
         "add_arguments",
         "run",
     ),
     "capacity": (
-        "calculet_load.commands.capacity",
+        "calculet_drivers.commands.capacity",
         "find the stable max QPS of §14.3: open-loop rate doubling then bisection, each "
         "window judged on backlog growth, rejects and P99 latency/queue against the SLA",
         "add_arguments",

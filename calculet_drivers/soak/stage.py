@@ -1,8 +1,8 @@
 """The schema of a soak stage (spec §13): `configs/soak/<name>.yaml`, read by `load_stage`.
 
-Durations and rates are the *target's* seconds (see calculet_load/soak/run.py for how a
-time-scaled simulator stretches them). The run (calculet_load/soak/run.py), its resumable
-state (calculet_load/soak/state.py) and its judging (calculet_load/soak/judge.py) all read
+Durations and rates are the *target's* seconds (see calculet_drivers/soak/run.py for how a
+time-scaled simulator stretches them). The run (calculet_drivers/soak/run.py), its resumable
+state (calculet_drivers/soak/state.py) and its judging (calculet_drivers/soak/judge.py) all read
 a stage from here.
 """
 

@@ -1,7 +1,7 @@
-"""The actions of a fault scenario (calculet_load/faults/spec.py `Action`): one handler per
-kind, dispatched from a table. Each acts on the target through the fault matrix's admin
-client and sessions, and records what it saw in the scenario's `Observation`; judging is
-calculet_load/faults/check.py's, the driver loop and the verdicts calculet_load/faults/matrix.py's.
+"""The actions of a fault scenario (`faults.spec.Action`): one handler per kind,
+dispatched from a table. Each acts on the target through the fault matrix's admin client
+and sessions, and records what it saw in the scenario's `Observation`; judging is
+`faults.check`'s, the driver loop and the verdicts `faults.matrix`'s.
 
 An admin call that is a maintenance action (spec §12.4: a device reset, a reload, a
 shutdown) is sent only while the manifest authorizes it, and is recorded (operator, time,
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import gevent
 
-from calculet_load.faults.check import get_path
-from calculet_load.faults.maintenance import record_base, snapshot_of
-from calculet_load.faults.observe import Observation, ReqObs
-from calculet_load.faults.spec import (
+from calculet_drivers.faults.check import get_path
+from calculet_drivers.faults.maintenance import record_base, snapshot_of
+from calculet_drivers.faults.observe import Observation, ReqObs
+from calculet_drivers.faults.spec import (
     MAINTENANCE_PATHS,
     PATH_OF,
     Action,
@@ -40,7 +40,7 @@ from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RequestSpec
 
 if TYPE_CHECKING:
-    from calculet_load.faults.matrix import FaultMatrix
+    from calculet_drivers.faults.matrix import FaultMatrix
 
 UINT32_MAX = 2**32 - 1
 # The probe a maintenance action's recovery waits for: a reference request of its own.
@@ -439,7 +439,7 @@ def window_rows(fm: FaultMatrix, run: Run) -> list[dict[str, Any]]:
 
 
 def _wait_event(fm: FaultMatrix, run: Run, w: WaitEvent) -> None:
-    from calculet_load.faults.check import detail_matches
+    from calculet_drivers.faults.check import detail_matches
 
     def found() -> bool:
         rids = None

@@ -1,6 +1,6 @@
 """`accept --interleave-with TARGET`: a baseline target's cells between the candidate's.
 
-Two `Pipeline`s (calculet_load.accept.pipeline), the candidate's and the baseline's, driven step
+Two `Pipeline`s (calculet_drivers.accept.pipeline), the candidate's and the baseline's, driven step
 by step in lockstep; the baseline's run folder is `RUN/baseline/`.
 """
 
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from calculet_load.accept.pipeline import TRACES, Pipeline
-from calculet_load.drive.steps import run_steps
+from calculet_drivers.accept.pipeline import TRACES, Pipeline
+from calculet_drivers.skeleton.steps import run_steps
 from calculet_load.errors import EXIT_FAIL, EXIT_INVALID, EXIT_OK, RunStop
 
 

@@ -60,13 +60,13 @@ def _vendor_schema() -> dict[str, Any]:
 
 
 def _soak_stage_schema() -> dict[str, Any]:
-    from calculet_load.soak.run import stage_json_schema
+    from calculet_drivers.soak.run import stage_json_schema
 
     return stage_json_schema()
 
 
 def _fault_scenario_schema() -> dict[str, Any]:
-    from calculet_load.faults.spec import scenario_json_schema
+    from calculet_drivers.faults.spec import scenario_json_schema
 
     return scenario_json_schema()
 
@@ -101,7 +101,7 @@ def export(args: argparse.Namespace) -> int:
 
     table = None
     if not args.no_join and part_files(args.run_dir, "requests"):
-        from calculet_load.commands.door import analysis_door
+        from calculet_drivers.commands.door import analysis_door
 
         try:
             table = analysis_door().joined_records(args.run_dir)

@@ -32,7 +32,7 @@ import yaml
 
 from calculet_load.ranges import REPETITIONS, SCALE
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 _SIGNING_ENV = ("CALCULET_SIGNING_KEY", "CALCULET_SIGNING_KEY_FILE")  # analysis.sign reads
 BROKEN = {
     "nan": ["--set", "knobs.nan_probability=0.05"],
@@ -79,8 +79,8 @@ def _start_sim(args: argparse.Namespace, trace_dir: Path, calbin: str, token: st
 
 
 def run(args: argparse.Namespace) -> int:
-    from calculet_load.accept.pipeline import Options, Pipeline
-    from calculet_load.commands.door import analysis_door
+    from calculet_drivers.accept.pipeline import Options, Pipeline
+    from calculet_drivers.commands.door import analysis_door
     from calculet_load.errors import RunStop
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -1,7 +1,7 @@
 # size: the fault-matrix driver; its plumbing is to become shared steps (issue 16)
 """`calculet-load faults`: the fault matrix of spec §12.1–§12.4 against a target.
 
-Each scenario of `configs/faults/*.yaml` (schema: calculet_load/faults/spec.py) runs in turn
+Each scenario of `configs/faults/*.yaml` (schema: calculet_drivers/faults/spec.py) runs in turn
 on the same target:
 
   1 the target must be ready and idle (faults cleared, nothing queued or running);
@@ -13,15 +13,15 @@ on the same target:
   6 the window's server events are collected (until every admitted request has ended);
   7 golden after recovery: the references again, and the golden set when given;
   8 the verdict: every expectation and invariant is a check with what was expected and
-    what was observed (calculet_load/faults/check.py); PASS when all hold.
+    what was observed (calculet_drivers/faults/check.py); PASS when all hold.
 
 A scenario with maintenance actions (spec §12.4: device reset, reload, shutdown) runs only
 when the manifest's `maintenance` section authorizes them at that moment; otherwise it is
 NOT_RUN (never a pass: exit 1) and none of its admin calls is sent. Each such action is
-recorded (calculet_load/faults/maintenance.py), and the target's audit log is read before and
+recorded (calculet_drivers/faults/maintenance.py), and the target's audit log is read before and
 after the scenario and checked.
 
-The actions themselves are calculet_load/faults/actions.py's.
+The actions themselves are calculet_drivers/faults/actions.py's.
 
 `--broken NAME[,NAME]|all` is for rehearsals against the simulator: the scenario's
 `target_fault` is armed in its broken mode, so the verdict must come out FAIL.
@@ -52,11 +52,7 @@ from typing import Any
 
 import gevent
 
-from calculet_load.drive.client import RunClient
-from calculet_load.drive.steps import Step, run_steps
-from calculet_load.drive.target import RunTarget
-from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
-from calculet_load.faults.actions import (
+from calculet_drivers.faults.actions import (
     PROBE_KEY,
     ActionFailed,
     NotAuthorized,
@@ -66,8 +62,8 @@ from calculet_load.faults.actions import (
     start_load,
     window_rows,
 )
-from calculet_load.faults.check import judge
-from calculet_load.faults.maintenance import (
+from calculet_drivers.faults.check import judge
+from calculet_drivers.faults.maintenance import (
     AuditObs,
     authorization_public,
     finish_records,
@@ -75,8 +71,12 @@ from calculet_load.faults.maintenance import (
     refusal,
     snapshot_of,
 )
-from calculet_load.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
-from calculet_load.faults.spec import FaultScenario, FaultSpecError, load_scenarios
+from calculet_drivers.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
+from calculet_drivers.faults.spec import FaultScenario, FaultSpecError, load_scenarios
+from calculet_drivers.skeleton.runclient import RunClient
+from calculet_drivers.skeleton.runtarget import RunTarget
+from calculet_drivers.skeleton.steps import Step, run_steps
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.measure.client import Outcome, run_in_greenlet
 from calculet_load.measure.prompts import Prompt, WorkloadError
 from calculet_load.measure.session import RequestSpec, Session, golden_spec
@@ -581,7 +581,7 @@ class FaultMatrix:
         tmp.replace(self.run_dir / "faults.json")
 
 
-# The matrix as steps (calculet_load.drive.steps): logged by the caller's step (accept's
+# The matrix as steps (calculet_drivers.skeleton.steps): logged by the caller's step (accept's
 # `faults` rows) and in faults.json, not one by one.
 FAULT_STEPS: tuple[Step[FaultMatrix], ...] = (
     Step("fault_api", FaultMatrix._fault_api, logged=False),

@@ -1,7 +1,7 @@
 # size: the soak driver; its plumbing is to become shared steps (issue 16)
 """`calculet-load soak --stage NAME`: the stability stages of spec §13 as data.
 
-A stage (`configs/soak/<name>.yaml`, schema in calculet_load/soak/stage.py) says how long
+A stage (`configs/soak/<name>.yaml`, schema in calculet_drivers/soak/stage.py) says how long
 it runs, what load (open loop at a fraction of the target rate, or closed loop; a mix or
 one shape), the periodic bursts, how often the server is sampled, and its pass
 conditions. Durations and rates are the *target's* seconds: against a simulator started
@@ -41,8 +41,8 @@ mid-stage, the target unreachable at the start); 143/130 stopped by SIGTERM/SIGI
 (resumable).
 
 This module runs the stage (load, bursts, sampling, golden, signals) and holds the CLI;
-the resumable state and the gaps are calculet_load/soak/state.py, the conditions
-calculet_load/soak/judge.py.
+the resumable state and the gaps are calculet_drivers/soak/state.py, the conditions
+calculet_drivers/soak/judge.py.
 """
 
 from __future__ import annotations
@@ -62,24 +62,17 @@ import gevent
 import gevent.pool
 import psutil
 
-from calculet_load.clock import wall_iso
-from calculet_load.doors import AnalysisDoor
-from calculet_load.drive.client import RunClient
-from calculet_load.drive.steps import EventLog, Step, run_steps
-from calculet_load.drive.target import RunTarget
-from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
-from calculet_load.measure.client import run_in_greenlet
-from calculet_load.measure.session import RequestSpec, golden_spec
-from calculet_load.ranges import POSITIVE_RATE, SCALE, SEED
-from calculet_load.schema.manifest import ManifestError, load_manifest
-from calculet_load.soak import state as soakstate
-from calculet_load.soak.judge import (
+from calculet_drivers.skeleton.runclient import RunClient
+from calculet_drivers.skeleton.runtarget import RunTarget
+from calculet_drivers.skeleton.steps import EventLog, Step, run_steps
+from calculet_drivers.soak import state as soakstate
+from calculet_drivers.soak.judge import (
     Judgement,
     StageResult,
     disk_counts,
     judge,
 )
-from calculet_load.soak.stage import (
+from calculet_drivers.soak.stage import (
     SOAK_SCHEMA,
     STAGE_DIR,
     Bursts,
@@ -91,14 +84,21 @@ from calculet_load.soak.stage import (
     load_stage,
     stage_json_schema,
 )
-from calculet_load.soak.state import STATE_FILE, TRACE_KINDS, JsonLines
+from calculet_drivers.soak.state import STATE_FILE, TRACE_KINDS, JsonLines
+from calculet_load.clock import wall_iso
+from calculet_load.doors import AnalysisDoor
+from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
+from calculet_load.measure.client import run_in_greenlet
+from calculet_load.measure.session import RequestSpec, golden_spec
+from calculet_load.ranges import POSITIVE_RATE, SCALE, SEED
+from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
 from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.matrix import MatrixError, load_golden
 from calculet_load.workload.mixes import MixError, load_mix, single
 
-# the stage schema lives in calculet_load.soak.stage; `calculet_load.soak.run` names it too
+# the stage schema lives in calculet_drivers.soak.stage; `calculet_drivers.soak.run` names it too
 __all__ = [
     "SOAK_SCHEMA", "STAGE_DIR", "Bursts", "PassConditions", "Sampling", "Soak", "SoakLoad",
     "SoakStage", "StageError", "add_arguments", "load_stage", "run", "stage_json_schema",
@@ -111,7 +111,7 @@ TERM_DRAIN_S = 15.0  # after SIGTERM: real seconds the requests in flight get to
 class Soak:
     def __init__(self, args: argparse.Namespace, analysis: AnalysisDoor | None = None) -> None:
         self.args = args
-        self.analysis = analysis  # the analysis, from calculet_load.commands (or none)
+        self.analysis = analysis  # the analysis, from calculet_drivers.commands (or none)
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
         t = self.target = RunTarget.of(self.manifest, args.url, StageError)
@@ -657,7 +657,7 @@ class Soak:
     def _verdict(
         self, golden_before: dict[str, Any] | None, golden_after: dict[str, Any] | None
     ) -> int:
-        """Judge the stage (calculet_load.soak.judge), write `soak.json` and say it."""
+        """Judge the stage (calculet_drivers.soak.judge), write `soak.json` and say it."""
         assert self.state is not None
         gaps: list[dict[str, Any]] = self.state["gaps"]
         attempts: list[dict[str, Any]] = self.state["attempts"]
@@ -697,7 +697,7 @@ class Soak:
         return j.code
 
 
-# The stage as steps (calculet_load.drive.steps); each writes its own `soak` rows.
+# The stage as steps (calculet_drivers.skeleton.steps); each writes its own `soak` rows.
 SOAK_STEPS: tuple[Step[Soak], ...] = (
     Step("open", Soak._open_stage, logged=False),
     Step("golden_before", Soak._golden_before, logged=False),
@@ -749,7 +749,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, analysis: AnalysisDoor | None = None) -> int:
-    """`calculet-load soak` (calculet_load.commands.soak passes the analysis in)."""
+    """`calculet-load soak` (calculet_drivers.commands.soak passes the analysis in)."""
     if args.duration_scale is not None and not 0 < args.duration_scale <= 1:
         print("soak: --duration-scale must be within (0, 1]", file=sys.stderr)
         return EXIT_INVALID

@@ -7,14 +7,14 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, RunStop
-from calculet_load.faults.matrix import (
+from calculet_drivers.faults.matrix import (
     ERROR,
     FAIL,
     NOT_RUN,
     FaultMatrix,
     FaultOptions,
 )
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, RunStop
 
 __all__ = ["FaultStepHost", "run_fault_step"]
 

@@ -3,7 +3,7 @@
 Each condition has a class: `target` (the service under test, exit 1), `client` (this
 load generator's own flatness, exit 1, as the stage asks for it) or `infrastructure`
 (the measurement itself: exit 3 when nothing else failed). The target's conditions are
-judged from its own samples: with gaps (calculet_load/soak/state.py) the leak per segment
+judged from its own samples: with gaps (calculet_drivers/soak/state.py) the leak per segment
 between them, and over the joined series where the clocks are comparable.
 """
 
@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from calculet_drivers.faults.maintenance import parse_rows
+from calculet_drivers.skeleton.steps import StepOutcome, analyze
+from calculet_drivers.soak.stage import PassConditions
 from calculet_load.doors import AnalysisDoor
-from calculet_load.drive.steps import StepOutcome, analyze
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
-from calculet_load.faults.maintenance import parse_rows
-from calculet_load.soak.stage import PassConditions
 
 # Spec §13's conditions that are acceptance rules (configs/acceptance/soak-*.yaml): each
 # is a condition of the stage when the stage's rules have a rule of that kind
@@ -48,7 +48,7 @@ class StageResult:
     gaps: list[dict[str, Any]]
     golden_before: dict[str, Any] | None
     golden_after: dict[str, Any] | None
-    analysis: AnalysisDoor | None = None  # from calculet_load.commands: analyze, leaks
+    analysis: AnalysisDoor | None = None  # from calculet_drivers.commands: analyze, leaks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import gevent
 
-from calculet_load.drive.steps import StepResult
+from calculet_drivers.skeleton.steps import StepResult
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RequestSpec, Session, golden_spec
 from calculet_load.schema.crosstalk import Sent, cell_name, compare
