@@ -80,7 +80,6 @@ def _start_sim(args: argparse.Namespace, trace_dir: Path, calbin: str, token: st
 
 def run(args: argparse.Namespace) -> int:
     from calculet_drivers.accept.pipeline import Options, Pipeline
-    from calculet_drivers.commands.door import analysis_door
     from calculet_load.errors import RunStop
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -123,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
         min_repetitions=args.repetitions,
         # a sample every 0.25 s: the leak rules' 20 bins in a run of a minute
         resource_interval_s=0.25,
-        analysis=analysis_door(),
     )
     try:
         pipeline = Pipeline(opts)

@@ -20,7 +20,7 @@ PACKAGES = ("calculet_load", "analysis", "calculet_drivers", "calculet_sim")
 # Layers, lowest first. A module's layer is that of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
     ("calculet_load", "calculet_load.errors", "calculet_load.clock", "calculet_load.events",
-     "calculet_load.configfile", "calculet_load.doors", "calculet_load.ranges"),
+     "calculet_load.configfile", "calculet_load.ranges"),
     ("calculet_load.schema",),
     ("calculet_load.measure", "calculet_load.target"),
     ("calculet_load.workload",),

@@ -41,6 +41,10 @@ from typing import Any
 import gevent
 import yaml
 
+from analysis.errors import AnalysisError
+from analysis.judge.idle import IdleCheck, IdleCriterion, idle_criterion
+from analysis.report import write_report
+from analysis.sign import sign_run
 from calculet_drivers.accept.crosstalk import run_crosstalk
 from calculet_drivers.accept.faultstep import run_fault_step
 from calculet_drivers.skeleton.runclient import RunClient
@@ -54,7 +58,6 @@ from calculet_drivers.skeleton.steps import (
     run_steps,
 )
 from calculet_load.clock import clock_provenance
-from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import (
     EXIT_FAIL,
     EXIT_INFRA,
@@ -130,7 +133,6 @@ class Options:
     # them: a short run needs samples often enough for their 20 bins)
     resource_interval_s: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
-    analysis: AnalysisDoor | None = None  # analyze, report, sign (calculet_drivers.commands)
 
 
 class InProcess:
@@ -180,20 +182,14 @@ class Pipeline:
         self.owns_fleet = True  # False: the fleet is the interleaved candidate's
 
     # --------------------------------------------------------------- §8.2, §8.6
-    def _idle_criterion(self) -> Any:
-        """The rules file's idle criterion through the analysis door (None without one),
-        its durations overridden by `--idle-window-s`/`--idle-timeout-s`."""
+    def _idle_criterion(self) -> IdleCriterion:
+        """The rules file's idle criterion, its durations overridden by
+        `--idle-window-s`/`--idle-timeout-s`."""
         o = self.o
-        if o.analysis is None:
-            return None
         try:
-            crit = o.analysis.idle_criterion(
-                o.rules, window_s=o.idle_window_s, timeout_s=o.idle_timeout_s
-            )
-        except Exception as exc:  # the rules file is invalid (RulesError, exit 2): one line
-            if getattr(exc, "exit_code", None) is None:
-                raise
-            raise RunStop(EXIT_INVALID, str(exc)) from None
+            crit = idle_criterion(o.rules, window_s=o.idle_window_s, timeout_s=o.idle_timeout_s)
+        except AnalysisError as exc:  # the rules file is invalid (exit 2): one line
+            raise RunStop(int(exc.exit_code), str(exc)) from None
         if crit.timeout_s < crit.window_s:
             raise RunStop(
                 EXIT_INVALID,
@@ -445,16 +441,13 @@ class Pipeline:
         if (lacking := self._lacks("device telemetry")) is not None:
             return lacking
         crit = self.idle
-        if crit is None:
-            self.notes.append("idle: no analysis door given to this run: no idle criterion")
-            return StepResult.not_available("no analysis door: the rules file's idle criterion")
         window, limit = crit.window_s, crit.timeout_s
         self.say(f"idle sampling: waiting for a stable {window:g} s window (at most {limit:g} s)")
         names = ("temperature_c", "power_w", "frequency_mhz")  # device_sample's order
         t: list[float] = []
         series: dict[str, list[float]] = {k: [] for k in names}
         started = time.monotonic()
-        check: Any = None
+        check: IdleCheck | None = None
         while True:
             try:
                 sample = device_sample(self._get("/metrics").decode())
@@ -472,6 +465,7 @@ class Pipeline:
                 if check.stable or t[-1] >= limit:
                     break
             gevent.sleep(min(1.0, max(window / 10, 0.1)))
+        assert check is not None
         detail = {"samples": len(t), "waited_s": round(t[-1], 3), "criterion": crit.describe(),
                   "last": [t[-1], *sample], "window_s": window, **check.record()}  # fmt: skip
         self.say(f"idle sampling: {'stable' if check.stable else 'NOT stable'} ({len(t)} samples)")
@@ -642,9 +636,7 @@ class Pipeline:
             "run_id": self.manifest.run_id,
             "seed": self.o.seed,
             "attempts": 1,
-            "options": {
-                k: v for k, v in vars(self.o).items() if k not in ("admin_token", "analysis")
-            },
+            "options": {k: v for k, v in vars(self.o).items() if k != "admin_token"},
             "below_minimum_repetitions": any(self._below_minimum(c) for c in self.cells),
             "rehearsal": self.manifest.rehearsal,
             "cells": cells,
@@ -817,38 +809,26 @@ class Pipeline:
 
     def _analyze(self) -> StepResult:
         """The analysis decides the exit code, unless a stop for correctness came first."""
-        result = analyze(
-            self.o.analysis, self.run_dir, baseline=self.o.baseline_run, rules=self.o.rules
-        )
-        if result.outcome is StepOutcome.NOT_AVAILABLE:
-            self.notes.append("analysis: not given to this run (no analysis door)")
-            return dataclasses.replace(result, detail={"code": self.code})
+        result = analyze(self.run_dir, baseline=self.o.baseline_run, rules=self.o.rules)
         self.code = self.code if self.code == EXIT_FAIL else int(result.detail["code"])
         return result
 
     def _report(self) -> StepResult:
-        if self.o.analysis is None:
-            return StepResult.not_available("no analysis door given to this run")
-        path = self.o.analysis.write_report(str(self.run_dir), baseline=self.o.baseline_run)
+        path = write_report(str(self.run_dir), baseline=self.o.baseline_run)
         self.say(f"report: {path}")
         return StepResult.ok(path=path)
 
     def _sign(self) -> None:
         """The last write to the run folder: the bundle lists every file as it is now."""
-        if self.o.analysis is None:
-            self.notes.append("sign: no analysis door given to this run: not signed")
-            return
         try:
-            result = self.o.analysis.sign_run(str(self.run_dir))
-        except Exception as exc:  # a bad key (SigningKeyError, exit 2): one line, unsigned
-            if getattr(exc, "exit_code", None) is None:
-                raise
+            result = sign_run(str(self.run_dir))
+        except AnalysisError as exc:  # a bad key (SigningKeyError, exit 2): one line, unsigned
             self.notes.append(f"sign: {exc}")
             self.code = EXIT_INVALID
             return
         self.say(
             f"signed bundle: {self.run_dir / 'bundle.intoto.json'} "
-            f"({'signed' if getattr(result, 'signed', False) else 'UNSIGNED: no key'})"
+            f"({'signed' if result.signed else 'UNSIGNED: no key'})"
         )
 
     # --------------------------------------------------------------- prompts

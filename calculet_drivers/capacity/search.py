@@ -16,7 +16,7 @@ stable when, over its measured part (after a warmup share),
     events), the P99 TTFT and the P99 end-to-end latency are within the SLA, where set;
   - with the SLA's `goodput`, the share of the measured arrivals that succeeded within
     its TTFT and TPOT objectives (the analysis' one definition of a good request,
-    through the AnalysisDoor: `meets_slos`) is at least its `min_share`; an arrival
+    `analysis.stats.goodput.meets_slos`) is at least its `min_share`; an arrival
     dropped at the client's cap is not good.
 
 Rates are requests per *target* second and durations target seconds: against a
@@ -42,28 +42,15 @@ from typing import Any
 
 import gevent
 import gevent.pool
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from analysis.stats.goodput import meets_slos
+from analysis.stats.trend import theil_sen
+from calculet_drivers.capacity.sla import SPEC_WINDOW_S, GoodputSLA, load_sla
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
-from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.session import RequestSpec
-from calculet_load.ranges import (
-    COUNT,
-    FRACTION,
-    MILLISECONDS,
-    OUTPUT_TOKENS,
-    POSITIVE_FRACTION,
-    POSITIVE_RATE,
-    POSITIVE_SECONDS,
-    PROMPT_TOKENS,
-    SCALE,
-    SEED,
-    Number,
-)
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
@@ -71,58 +58,6 @@ from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.mixes import MixError, load_mix, single
 
 CAPACITY_SCHEMA = "calculet-capacity/v1"
-SPEC_WINDOW_S = 1800.0
-
-
-class GoodputSLA(BaseModel):
-    """Goodput as the search's criterion: at least `min_share` of a window's measured
-    arrivals succeed with TTFT ≤ `max_ttft_ms` and TPOT ≤ `max_tpot_ms` (target ms; a
-    null objective is not checked, one of them must be set)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_ttft_ms: float | None = Field(default=None, gt=0)
-    max_tpot_ms: float | None = Field(default=None, gt=0)
-    min_share: float = Field(gt=0, le=1)
-
-    @model_validator(mode="after")
-    def _an_objective(self) -> GoodputSLA:
-        if self.max_ttft_ms is None and self.max_tpot_ms is None:
-            raise ValueError("set max_ttft_ms or max_tpot_ms (or both): goodput needs an SLO")
-        return self
-
-
-class SLA(BaseModel):
-    """The limits a stable window meets; None: not checked."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_reject_rate: float | None = Field(default=0.01, ge=0, le=1)
-    max_queue_p99_ms: float | None = Field(default=None, gt=0)  # target ms
-    max_ttft_p99_ms: float | None = Field(default=None, gt=0)
-    max_e2e_p99_ms: float | None = Field(default=None, gt=0)
-    # allowed backlog growth over the measured span, as a share of its arrivals
-    backlog_tolerance: float = Field(default=0.02, ge=0)
-    goodput: GoodputSLA | None = None
-
-
-def load_sla(path: str | None, overrides: dict[str, Any]) -> SLA:
-    data: dict[str, Any] = {}
-    if path:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"--sla {path}: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"--sla {path}: top level must be a mapping")
-        data = loaded.get("sla", loaded)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return SLA.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        raise ValueError(f"sla.{'.'.join(map(str, err['loc']))}: {msg}") from None
 
 
 @dataclasses.dataclass
@@ -147,9 +82,8 @@ def _p99(values: list[float]) -> float | None:
 
 
 class Capacity:
-    def __init__(self, args: argparse.Namespace, door: AnalysisDoor) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.a = args
-        self.door = door  # the backlog's Theil–Sen slope
         self.manifest = load_manifest(args.manifest)
         t = self.target = RunTarget.of(self.manifest, args.url, ValueError)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
@@ -347,7 +281,7 @@ class Capacity:
             if r.done_mono is not None and r.error is None and measure_from <= r.done_mono <= end
         )
         pts = [(t, n) for t, n in samples if t >= measure_from]
-        slope = float(self.door.theil_sen([t for t, _ in pts], [float(n) for _, n in pts]).slope)
+        slope = float(theil_sen([t for t, _ in pts], [float(n) for _, n in pts]).slope)
         growth = slope * span
         queue = self._queue_ms({r.rid for r in measured if r.rid})
         reject_rate = (rejects + dropped) / arrivals if arrivals else 0.0
@@ -405,7 +339,7 @@ class Capacity:
         arrivals (a dropped one is not good), and those ended inside the measured part per
         target second."""
         s = self.scale
-        good = self.door.meets_slos(
+        good = meets_slos(
             [r.error is None and r.e2e_s is not None for r in measured],
             [_target_ms(r.ttft_s, s) for r in measured],
             [_target_ms(r.tpot_s, s) for r in measured],
@@ -520,55 +454,9 @@ def _ms(value: float | None) -> str:
 
 
 # ---------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--manifest", required=True, help="run manifest YAML")
-    p.add_argument("--url", help="target URL (default: the manifest's target.url)")
-    p.add_argument("--run-dir", help="run folder (default: runs/<run_id>-capacity)")
-    p.add_argument(
-        "--start-rate", type=POSITIVE_RATE, default=0.5, help="first rate, req/s (target)"
-    )
-    p.add_argument("--max-rate", type=POSITIVE_RATE, default=64.0, help="highest rate tried")
-    p.add_argument(
-        "--window-s",
-        type=POSITIVE_SECONDS,
-        default=SPEC_WINDOW_S,
-        help="target seconds per rate (spec §14.3: 1800; shorter is a rehearsal)",
-    )
-    p.add_argument(
-        "--warmup-fraction",
-        type=Number(float, 0, 0.9),
-        default=0.2,
-        help="share of each window not measured",
-    )
-    p.add_argument(
-        "--tolerance",
-        type=POSITIVE_FRACTION,
-        default=0.05,
-        help="bisect until (unstable - stable) / stable <= this",
-    )
-    p.add_argument("--max-bisections", type=Number(int, 0, 64), default=8)
-    p.add_argument("--arrival", choices=("poisson", "constant", "gamma"), default="poisson")
-    p.add_argument("--prompt-tokens", type=PROMPT_TOKENS, default=128)
-    p.add_argument("--max-tokens", type=OUTPUT_TOKENS, default=32)
-    p.add_argument("--mix", help="a workload mix (configs/mixes) instead of one shape")
-    p.add_argument("--max-in-flight", type=COUNT, default=512, help="client in-flight cap")
-    p.add_argument("--sla", help="SLA YAML (keys of calculet_drivers.capacity.search.SLA)")
-    p.add_argument("--max-reject-rate", type=FRACTION)
-    p.add_argument("--max-queue-p99-ms", type=MILLISECONDS, help="target ms")
-    p.add_argument("--max-ttft-p99-ms", type=MILLISECONDS, help="target ms")
-    p.add_argument("--max-e2e-p99-ms", type=MILLISECONDS, help="target ms")
-    p.add_argument(
-        "--time-scale-hint",
-        type=SCALE,
-        help="real seconds per target second (default: /admin/state time_scale)",
-    )
-    p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--quiet", action="store_true")
-
-
-def run(args: argparse.Namespace, door: AnalysisDoor) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
-        cap = Capacity(args, door)
+        cap = Capacity(args)
     except (ValueError, ManifestError, MixError) as exc:
         print(f"capacity: {exc}", file=sys.stderr)
         return EXIT_INVALID

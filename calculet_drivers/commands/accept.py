@@ -8,9 +8,6 @@ import dataclasses
 import os
 import sys
 
-from calculet_drivers.accept.interleave import Interleaved, interleave_manifest
-from calculet_drivers.accept.pipeline import Options, Pipeline
-from calculet_drivers.commands.door import analysis_door
 from calculet_load.errors import EXIT_INVALID, RunStop
 from calculet_load.ranges import COUNT, PORT, POSITIVE_SECONDS, REPETITIONS, SECONDS, SEED, Number
 from calculet_load.schema.manifest import ManifestError, load_manifest
@@ -109,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         print("accept: --record-golden needs --golden (the set whose hashes to record)",
               file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
+    from calculet_drivers.accept.interleave import Interleaved, interleave_manifest
+    from calculet_drivers.accept.pipeline import Options, Pipeline
+
     matrix = args.matrix
     if matrix is None:
         try:
@@ -143,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
         master_bind_port=args.master_bind_port,
         workers_timeout_s=args.workers_timeout_s,
         extra={"faults": args.faults},  # issue 8: the fault matrix step
-        analysis=analysis_door(),
     )
     try:
         pipeline = Pipeline(opts)

@@ -60,7 +60,7 @@ def _vendor_schema() -> dict[str, Any]:
 
 
 def _soak_stage_schema() -> dict[str, Any]:
-    from calculet_drivers.soak.run import stage_json_schema
+    from calculet_drivers.soak.stage import stage_json_schema
 
     return stage_json_schema()
 
@@ -95,22 +95,20 @@ def add_export(p: argparse.ArgumentParser) -> None:
 
 def export(args: argparse.Namespace) -> int:
     """The run's request records as JSON lines, joined with the run's server traces (the
-    analysis's join, through the door): server_ms, runtime_ms, quality.server_trace_joined
+    analysis's join): server_ms, runtime_ms, quality.server_trace_joined
     and quality.throttled filled where a record joined; the others keep their nulls."""
     from calculet_load.schema.runfolder import export_jsonl, part_files
 
     table = None
     if not args.no_join and part_files(args.run_dir, "requests"):
-        from calculet_drivers.commands.door import analysis_door
+        from analysis.errors import AnalysisError
+        from analysis.tables.join import load_run
 
         try:
-            table = analysis_door().joined_records(args.run_dir)
-        except Exception as exc:  # the analysis's own errors: one line and its exit code
-            code = getattr(exc, "exit_code", None)
-            if code is None:
-                raise
+            table = load_run(args.run_dir).requests
+        except AnalysisError as exc:  # one line and its exit code
             print(f"calculet-load export: {exc}", file=sys.stderr)
-            return int(code)
+            return int(exc.exit_code)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
     try:
         n = export_jsonl(args.run_dir, out, strict=not args.full, table=table)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from calculet_load.doors import AnalysisDoor
+from analysis.cli import analyze_run
 from calculet_load.target.api import off_loop
 
 __all__ = ["EventLog", "Step", "StepOutcome", "StepResult", "analyze", "run_steps"]
@@ -111,17 +111,14 @@ def run_steps(
 
 
 def analyze(
-    door: AnalysisDoor | None,
     run_dir: Path,
     *,
     baseline: str | None = None,
     rules: str | None = None,
     quiet: bool = False,
 ) -> StepResult:
-    """The run's analysis through the door (`calculet-load analyze`, off the gevent loop):
-    ok with its exit code as `code`; not_available without a door."""
-    if door is None:
-        return StepResult.not_available("no analysis door given to this run")
-    run = functools.partial(door.analyze_run, str(run_dir), baseline=baseline, rules=rules,
+    """The run's analysis (`calculet-load analyze`, off the gevent loop): ok with its exit
+    code as `code`."""
+    run = functools.partial(analyze_run, str(run_dir), baseline=baseline, rules=rules,
                             quiet=quiet)  # fmt: skip
     return StepResult.ok(code=int(off_loop(run)))

@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from analysis.judge.resources import leak_segments
+from analysis.stats.trend import theil_sen
 from calculet_drivers.faults.maintenance import parse_rows
-from calculet_drivers.skeleton.steps import StepOutcome, analyze
+from calculet_drivers.skeleton.steps import analyze
 from calculet_drivers.soak.stage import PassConditions
-from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 
 # Spec §13's conditions that are acceptance rules (configs/acceptance/soak-*.yaml): each
@@ -48,7 +49,6 @@ class StageResult:
     gaps: list[dict[str, Any]]
     golden_before: dict[str, Any] | None
     golden_after: dict[str, Any] | None
-    analysis: AnalysisDoor | None = None  # from calculet_drivers.commands: analyze, leaks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,7 +115,7 @@ def judge(r: StageResult) -> Judgement:
              fails or "all match")  # fmt: skip
     if p.client_rss_max_slope_mib_per_h is not None:
         gate = p.client_rss_max_slope_mib_per_h
-        client = _client_slopes(r.run_dir / "client" / "resources.jsonl", r.analysis)
+        client = _client_slopes(r.run_dir / "client" / "resources.jsonl")
         judged = [s for s in client["segments"] if s.get("slope_mib_per_h") is not None]
         observed = client["segments"][0] if len(client["segments"]) == 1 else client
         cond("client memory flat", "client",
@@ -124,7 +124,7 @@ def judge(r: StageResult) -> Judgement:
              f"{p.client_rss_min_rise_mib:g} MiB"
              + (" in each client process (not joined across a restart)" if gaps else ""),
              observed)  # fmt: skip
-    analysis_code, judged_doc = _analysis(r.analysis, r.run_dir, r.rules, notes)
+    analysis_code, judged_doc = _analysis(r.run_dir, r.rules)
     leaks, verdicts = judged_doc.get("leaks"), list(judged_doc.get("verdicts") or [])
     if isinstance(judged_doc.get("endurance"), dict):
         notes.append(endurance_note(judged_doc["endurance"]))
@@ -136,11 +136,11 @@ def judge(r: StageResult) -> Judgement:
         cond(
             "no leak",
             "target",
-            *_leak_condition(r.analysis, r.run_dir, r.rules, leaks, attempts, gaps),
+            *_leak_condition(r.run_dir, r.rules, leaks, attempts, gaps),
         )
     if p.analysis:
         cls = "infrastructure" if analysis_code in (EXIT_INVALID, EXIT_INFRA) else "target"
-        cond("analysis", cls, analysis_code == 0 if analysis_code is not None else None,
+        cond("analysis", cls, analysis_code == 0,
              "calculet-load analyze exits 0", {"exit_code": analysis_code})  # fmt: skip
     planned = r.planned_real_s
     gap_s = sum(g["duration_s"] for g in gaps)
@@ -173,7 +173,6 @@ def judge(r: StageResult) -> Judgement:
 
 
 def _leak_condition(
-    door: AnalysisDoor | None,
     run_dir: Path,
     rules: str | None,
     leaks: dict[str, Any] | None,
@@ -198,7 +197,7 @@ def _leak_condition(
     boots = {a.get("boot_id") for a in attempts}
     comparable = len(boots) == 1 and None not in boots
     joined = [r for r in rows if r["status"] == "leak"] if comparable else []
-    segments = door.leak_segments(run_dir, rules, attempts) if door is not None else []
+    segments = leak_segments(run_dir, rules, attempts)
     seg_leaks = [
         {"worker": s["worker"], **r} for s in segments for r in s["series"]
         if r["status"] == "leak"
@@ -254,15 +253,10 @@ def endurance_note(end: dict[str, Any]) -> str:
     )
 
 
-def _analysis(
-    door: AnalysisDoor | None, run_dir: Path, rules: str | None, notes: list[str]
-) -> tuple[int | None, dict[str, Any]]:
+def _analysis(run_dir: Path, rules: str | None) -> tuple[int, dict[str, Any]]:
     """`calculet-load analyze` on the run: its exit code and its verdict.json ({} when
     there is none)."""
-    result = analyze(door, run_dir, rules=rules, quiet=True)
-    if result.outcome is StepOutcome.NOT_AVAILABLE:
-        notes.append("analysis: not given to this stage (no analysis door)")
-        return None, {}
+    result = analyze(run_dir, rules=rules, quiet=True)
     code = int(result.detail["code"])
     verdict = run_dir / "verdict.json"
     doc = json.loads(verdict.read_text()) if verdict.exists() else {}
@@ -330,15 +324,12 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _client_slope(rows: list[dict[str, Any]], door: AnalysisDoor | None) -> dict[str, Any]:
+def _client_slope(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Theil–Sen slope of one client process' RSS (MiB per real hour), after a 10%
-    warmup (the analysis's estimator, through the door)."""
+    warmup (the analysis's estimator)."""
     if len(rows) < MIN_CLIENT_SAMPLES:
         return {"samples": len(rows), "slope_mib_per_h": None,
                 "reason": f"fewer than {MIN_CLIENT_SAMPLES} samples: not judged"}  # fmt: skip
-    if door is None:
-        return {"samples": len(rows), "slope_mib_per_h": None,
-                "reason": "no analysis door given to this stage: not judged"}  # fmt: skip
     t = [(r["mono_ns"] - rows[0]["mono_ns"]) / 1e9 for r in rows]
     y = [r["rss_bytes"] / 2**20 for r in rows]
     keep = [i for i, ti in enumerate(t) if ti >= 0.1 * t[-1]]
@@ -356,7 +347,7 @@ def _client_slope(rows: list[dict[str, Any]], door: AnalysisDoor | None) -> dict
             "real time: not judged (the process' own warmup would be taken for a trend)"
         )
         return out
-    fit = door.theil_sen([t[i] for i in keep], [y[i] for i in keep])
+    fit = theil_sen([t[i] for i in keep], [y[i] for i in keep])
     out["slope_mib_per_h"] = round(float(fit.slope) * 3600.0, 3)
     # the rise the fit gives over the judged span: what the per-hour slope is made of
     out["rise_mib"] = round(float(fit.slope) * (t[-1] - t[keep[0]]), 3)
@@ -371,14 +362,14 @@ def memory_flat(segment: dict[str, Any], p: PassConditions) -> bool:
     return slope_ok or segment["rise_mib"] < p.client_rss_min_rise_mib
 
 
-def _client_slopes(path: Path, door: AnalysisDoor | None) -> dict[str, Any]:
+def _client_slopes(path: Path) -> dict[str, Any]:
     """The RSS slope of each client process (attempt) separately: a restarted process
     starts small, and joining it to the killed one would fake a drop or a rise."""
     rows = _read_jsonl(path)
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(str(r.get("worker", "w00")), []).append(r)
-    segments = [{"worker": w, **_client_slope(rs, door)} for w, rs in by.items()]
+    segments = [{"worker": w, **_client_slope(rs)} for w, rs in by.items()]
     if not segments:
-        segments = [{"worker": None, **_client_slope([], door)}]
+        segments = [{"worker": None, **_client_slope([])}]
     return {"samples": len(rows), "segments": segments}

@@ -73,24 +73,15 @@ from calculet_drivers.soak.judge import (
     judge,
 )
 from calculet_drivers.soak.stage import (
-    SOAK_SCHEMA,
-    STAGE_DIR,
-    Bursts,
-    PassConditions,
-    Sampling,
-    SoakLoad,
     SoakStage,
     StageError,
     load_stage,
-    stage_json_schema,
 )
 from calculet_drivers.soak.state import STATE_FILE, TRACE_KINDS, JsonLines
 from calculet_load.clock import wall_iso
-from calculet_load.doors import AnalysisDoor
 from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.session import RequestSpec, golden_spec
-from calculet_load.ranges import POSITIVE_RATE, SCALE, SEED
 from calculet_load.schema.manifest import ManifestError, load_manifest
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_load.workload.arrivals import RateClock, Schedule
@@ -98,20 +89,15 @@ from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.matrix import MatrixError, load_golden
 from calculet_load.workload.mixes import MixError, load_mix, single
 
-# the stage schema lives in calculet_drivers.soak.stage; `calculet_drivers.soak.run` names it too
-__all__ = [
-    "SOAK_SCHEMA", "STAGE_DIR", "Bursts", "PassConditions", "Sampling", "Soak", "SoakLoad",
-    "SoakStage", "StageError", "add_arguments", "load_stage", "run", "stage_json_schema",
-]  # fmt: skip
+__all__ = ["Soak", "run"]
 
 MIN_SAMPLE_S = 0.5  # real seconds between two samples of one kind, at the least
 TERM_DRAIN_S = 15.0  # after SIGTERM: real seconds the requests in flight get to finish
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace, analysis: AnalysisDoor | None = None) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.analysis = analysis  # the analysis, from calculet_drivers.commands (or none)
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
         t = self.target = RunTarget.of(self.manifest, args.url, StageError)
@@ -673,7 +659,6 @@ class Soak:
                 gaps=gaps,
                 golden_before=golden_before,
                 golden_after=golden_after,
-                analysis=self.analysis,
             )
         )
         self.notes.extend(j.notes)
@@ -709,52 +694,13 @@ SOAK_STEPS: tuple[Step[Soak], ...] = (
 # ---------------------------------------------------------------------- CLI
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--stage",
-        required=True,
-        help="stage name (configs/soak/NAME.yaml: smoke, dev, candidate, release, "
-        "endurance) or a stage file",
-    )
-    p.add_argument("--manifest", required=True, help="run manifest YAML")
-    p.add_argument("--url", help="target URL (default: the manifest's target.url)")
-    p.add_argument("--run-dir", help="run folder (default: runs/<run_id>-soak-<stage>)")
-    p.add_argument("--golden", help="golden set YAML (before and after the stage)")
-    p.add_argument(
-        "--target-rate",
-        type=POSITIVE_RATE,
-        help="the target load in requests per target second (default: the stage's)",
-    )
-    p.add_argument(
-        "--time-scale-hint",
-        type=SCALE,
-        help="real seconds per target second (default: /admin/state time_scale, else 1)",
-    )
-    p.add_argument(
-        "--duration-scale",
-        type=SCALE,
-        help="shorten (< 1) the stage for a rehearsal; recorded in soak.json (default 1)",
-    )
-    p.add_argument(
-        "--rules", help="acceptance rules for the analysis (default: the stage's, else the default)"
-    )
-    p.add_argument("--seed", type=SEED, help="seed of the arrival schedule (default 0)")
-    p.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue the unfinished soak of RUN_DIR (soak/state.json) to its planned end, "
-        "under a new worker name; the gap is recorded",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-
-
-def run(args: argparse.Namespace, analysis: AnalysisDoor | None = None) -> int:
-    """`calculet-load soak` (calculet_drivers.commands.soak passes the analysis in)."""
+def run(args: argparse.Namespace) -> int:
+    """`calculet-load soak`."""
     if args.duration_scale is not None and not 0 < args.duration_scale <= 1:
         print("soak: --duration-scale must be within (0, 1]", file=sys.stderr)
         return EXIT_INVALID
     try:
-        soak = Soak(args, analysis)
+        soak = Soak(args)
     except (StageError, ManifestError, MatrixError, MixError) as exc:
         print(f"soak: {exc}", file=sys.stderr)
         return EXIT_INVALID

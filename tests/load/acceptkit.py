@@ -21,7 +21,6 @@ import yaml
 from analysis.judge.rules import DEFAULT_RULES
 from analysis.sign import load_verify_key, verify
 from calculet_drivers.accept.pipeline import Options, Pipeline
-from calculet_drivers.commands.door import analysis_door
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +116,6 @@ def run_pipeline(
         idle_gap_s=0.0,
         min_repetitions=min_repetitions,
         progress=False,
-        analysis=analysis_door(),
     )
     return Pipeline(opts).run()
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from calculet_drivers.capacity.search import SLA, GoodputSLA, _p99, load_sla
+from calculet_drivers.capacity.search import _p99
+from calculet_drivers.capacity.sla import SLA, GoodputSLA, load_sla
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO

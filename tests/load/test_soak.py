@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from calculet_drivers.soak.run import STAGE_DIR, load_stage
+from calculet_drivers.soak.stage import STAGE_DIR, load_stage
 from tests.conftest import REPO
 from tests.simproc import ADMIN_TOKEN, SimProcess
 

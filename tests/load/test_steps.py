@@ -82,7 +82,9 @@ def test_a_run_stop_ends_the_sequence(tmp_path: Path) -> None:
     assert rows[1]["outcome"] == "ok" and rows[1]["checked"] is True
 
 
-def test_the_analysis_step_without_a_door_is_not_available(tmp_path: Path) -> None:
-    result = analyze(None, tmp_path)
-    assert result.outcome == "not_available"
-    assert result.reason == "no analysis door given to this run"
+def test_the_analysis_step_carries_the_analysis_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = analyze(tmp_path, quiet=True)  # a folder without records: invalid (exit 2)
+    assert result.outcome == "ok" and result.detail == {"code": 2}
+    assert "no request records" in capsys.readouterr().err
