@@ -79,7 +79,8 @@ def _start_sim(args: argparse.Namespace, trace_dir: Path, calbin: str, token: st
 
 
 def run(args: argparse.Namespace) -> int:
-    from calculet_drivers.accept.pipeline import Options, Pipeline
+    from calculet_drivers.accept.acceptrun import Options
+    from calculet_drivers.accept.pipeline import Pipeline
     from calculet_load.errors import RunStop
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")

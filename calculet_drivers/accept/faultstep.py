@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
-from typing import Any, Protocol
 
+from calculet_drivers.accept.acceptrun import AcceptRun
 from calculet_drivers.faults.matrix import (
     ERROR,
     FAIL,
@@ -14,41 +12,30 @@ from calculet_drivers.faults.matrix import (
     FaultMatrix,
     FaultOptions,
 )
+from calculet_drivers.skeleton.jsonl import read_rows
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, RunStop
 
-__all__ = ["FaultStepHost", "run_fault_step"]
+__all__ = ["fault_step"]
 
 
-class FaultStepHost(Protocol):
-    """What the step reads and sets on the acceptance run that hosts it."""
-
-    o: Any
-    log: Any
-    url: str
-    run_dir: Path
-    code: int
-    notes: list[str]
-    golden_file: str | None  # the golden set to check (accept --record-golden: the recorded)
-
-
-def run_fault_step(pipeline: FaultStepHost) -> None:
+def fault_step(run: AcceptRun) -> None:
     """The fault matrix as a step of `calculet-load accept` (after the matrix, before
     golden after; `--faults DIR`). Every scenario runs on the target under test, except
     one that stops it. A failed scenario, or one not run because the manifest does not
     authorize its maintenance actions (§12.4), makes the run a correctness failure (exit 1)
     and the run goes on to golden after (the recovery check); an invalid scenario file
     stops the run with exit 2, a target without a fault API with exit 3."""
-    o = pipeline.o
-    log = pipeline.log
-    scenarios = o.extra.get("faults")
+    o, log, scenarios = run.o, run.log, run.o.faults
+    if not scenarios:
+        return
     log.write("faults", "start", scenarios=scenarios,
               broken_rehearsal=os.environ.get("CALCULET_FAULTS_BROKEN"))  # fmt: skip
     # rehearsals against the simulator only: arm these scenarios' faults broken
     broken = [x for x in os.environ.get("CALCULET_FAULTS_BROKEN", "").split(",") if x] or None
     opts = FaultOptions(
-        manifest=o.manifest, scenarios=scenarios, url=pipeline.url,
-        run_dir=str(pipeline.run_dir), golden=pipeline.golden_file, admin_token=o.admin_token,
-        progress=o.progress, broken=broken, run_started_wall_ns=_run_start(pipeline.run_dir),
+        manifest=o.manifest, scenarios=scenarios, url=run.url,
+        run_dir=str(run.run_dir), golden=run.golden_file, admin_token=o.admin_token,
+        progress=o.progress, broken=broken, run_started_wall_ns=_run_start(run),
     )  # fmt: skip
     try:
         fm = FaultMatrix(opts)
@@ -64,24 +51,20 @@ def run_fault_step(pipeline: FaultStepHost) -> None:
     if code == EXIT_INFRA:
         raise RunStop(EXIT_INFRA, f"faults: {doc['infrastructure_error']}")
     if code == EXIT_FAIL:
-        pipeline.code = 1
+        run.code = EXIT_FAIL
         if failed:
-            pipeline.notes.append(f"faults: {len(failed)} scenario(s) failed: {', '.join(failed)}")
+            run.notes.append(f"faults: {len(failed)} scenario(s) failed: {', '.join(failed)}")
         if not_run:
-            pipeline.notes.append(
+            run.notes.append(
                 f"faults: {len(not_run)} scenario(s) NOT RUN (not authorized by the manifest, "
                 f"spec §12.4): {', '.join(not_run)}"
             )
 
 
-def _run_start(run_dir: Path) -> int | None:
-    """When the acceptance run began: its first `run start` event (events.jsonl)."""
-    try:
-        with (Path(run_dir) / "events.jsonl").open(encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                if row.get("step") == "run" and row.get("status") == "start":
-                    return int(row["wall_ns"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def _run_start(run: AcceptRun) -> int | None:
+    """When the acceptance run began: its first `run start` event."""
+    for row in read_rows(run.log.path):
+        if row.get("step") == "run" and row.get("status") == "start":
+            wall = row.get("wall_ns")
+            return wall if isinstance(wall, int) else None
     return None

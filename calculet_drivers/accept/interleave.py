@@ -1,7 +1,7 @@
 """`accept --interleave-with TARGET`: a baseline target's cells between the candidate's.
 
-Two `Pipeline`s (calculet_drivers.accept.pipeline), the candidate's and the baseline's, driven step
-by step in lockstep; the baseline's run folder is `RUN/baseline/`.
+Two `Pipeline`s (accept.pipeline), the candidate's and the baseline's, driven step by
+step in lockstep; the baseline's run folder is `RUN/baseline/`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from calculet_drivers.accept.pipeline import TRACES, Pipeline
+from calculet_drivers.accept.plan import matrix_start, run_entry
 from calculet_drivers.skeleton.steps import run_steps
 from calculet_load.errors import EXIT_FAIL, EXIT_INVALID, EXIT_OK, RunStop
 
@@ -56,7 +57,7 @@ class Interleaved:
             base.close()  # first: it ends its run on the shared workers
             cand.close()
         if cand.code in (EXIT_OK, EXIT_FAIL):
-            base._write_index()
+            base.write_index()
             run_steps((TRACES,), base, base.log)
         base.log.write("run", "end", code=cand.code)
         return cand.end()
@@ -68,7 +69,7 @@ class Interleaved:
             raise RunStop(EXIT_INVALID, "interleave: the baseline's plan has another cell order")
         todo: dict[int, dict[str, dict[str, Any]]] = {}
         for p in (cand, base):
-            todo[id(p)] = {e["name"]: e for e in p.matrix_start()}
+            todo[id(p)] = {e["name"]: e for e in matrix_start(p)}
         cand.plan["interleaved_with"] = {"run_dir": str(base.run_dir), "url": base.url}
         for n, name in enumerate(names):
             first_second = (cand, base) if n % 2 == 0 else (base, cand)
@@ -77,7 +78,7 @@ class Interleaved:
                 if entry is not None:
                     entry["interleave_position"] = first_second.index(p)
                     try:
-                        p.run_entry(entry, f"{n + 1}/{len(names)}")
+                        run_entry(p, entry, f"{n + 1}/{len(names)}")
                     except RunStop as stop:
                         raise RunStop(stop.code, f"{p.label.strip(' ()')}: {stop}") from None
         for p in (cand, base):

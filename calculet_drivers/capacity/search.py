@@ -48,7 +48,7 @@ from analysis.stats.trend import theil_sen
 from calculet_drivers.capacity.sla import SPEC_WINDOW_S, GoodputSLA, load_sla
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
-from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
+from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
 from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.session import RequestSpec
 from calculet_load.schema.manifest import ManifestError, load_manifest
@@ -85,7 +85,7 @@ class Capacity:
     def __init__(self, args: argparse.Namespace) -> None:
         self.a = args
         self.manifest = load_manifest(args.manifest)
-        t = self.target = RunTarget.of(self.manifest, args.url, ValueError)
+        t = self.target = RunTarget.of(self.manifest, args.url)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
@@ -460,4 +460,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ManifestError, MixError) as exc:
         print(f"capacity: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except RunStop as stop:
+        print(f"capacity: {stop}", file=sys.stderr)
+        return stop.code
     return cap.run()

@@ -58,12 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--skip-report", action="store_true", help="no HTML report")
-    p.add_argument(  # issue 19: spec §14.1 cross-talk under concurrency
+    p.add_argument(  # spec §14.1 cross-talk under concurrency
         "--crosstalk-concurrency", type=COUNT, default=4, metavar="N",
         help="after golden before, send the golden set's greedy cases N at a time and "
         "compare each with the same request sent alone (0: skip; default 4)",
     )  # fmt: skip
-    p.add_argument(  # issue 8: the fault matrix step
+    p.add_argument(  # the fault matrix (§12) as a step
         "--faults",
         help="fault scenarios (a file or folder, e.g. configs/faults): run the "
         "fault matrix after the matrix, before golden after (needs CALCULET_ADMIN_TOKEN)",
@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
         print("accept: --record-golden needs --golden (the set whose hashes to record)",
               file=sys.stderr)  # fmt: skip
         return EXIT_INVALID
+    from calculet_drivers.accept.acceptrun import Options
     from calculet_drivers.accept.interleave import Interleaved, interleave_manifest
-    from calculet_drivers.accept.pipeline import Options, Pipeline
+    from calculet_drivers.accept.pipeline import Pipeline
 
     matrix = args.matrix
     if matrix is None:
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         master_bind_host=args.master_bind_host,
         master_bind_port=args.master_bind_port,
         workers_timeout_s=args.workers_timeout_s,
-        extra={"faults": args.faults},  # issue 8: the fault matrix step
+        faults=args.faults,
     )
     try:
         pipeline = Pipeline(opts)
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             manifest = interleave_manifest(opts.manifest, args.interleave_with, folder)
             base_opts = dataclasses.replace(
                 opts, manifest=manifest, url=None, run_dir=str(folder), calbin=None,
-                skip_report=True, extra={},
+                skip_report=True, faults=None,
             )  # fmt: skip
             runner = Interleaved(pipeline, Pipeline(base_opts))
     except RunStop as stop:

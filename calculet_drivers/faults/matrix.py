@@ -148,7 +148,7 @@ class FaultMatrix:
             self.golden: GoldenSet | None = load_golden(opts.golden) if opts.golden else None
         except (ManifestError, FaultSpecError, MatrixError) as exc:
             raise RunStop(EXIT_INVALID, str(exc)) from None
-        t = self.target = RunTarget.of(self.manifest, opts.url, lambda m: RunStop(EXIT_INVALID, m))
+        t = self.target = RunTarget.of(self.manifest, opts.url)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.run_dir = Path(opts.run_dir or Path("runs") / f"{self.manifest.run_id}")

@@ -1,4 +1,4 @@
-"""The client a driver sends through, set up once (issue 16): the run context, the
+"""The client a driver sends through, set up once: the run context, the
 Parquet sink, the session (one per timeout where a driver needs several), the prompt
 factory sized as the manifest's target says with its cache, and the self-watch (started
 by the drivers that judge their own process: accept and the soak).
@@ -16,9 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from calculet_drivers.skeleton.runtarget import RunTarget
+from calculet_load.errors import EXIT_INFRA, EXIT_INVALID, RunStop
 from calculet_load.measure.client import Timeouts
 from calculet_load.measure.heap import PACER
-from calculet_load.measure.prompts import Prompt, PromptBook, PromptFactory, target_prompts
+from calculet_load.measure.prompts import (
+    Prompt,
+    PromptBook,
+    PromptFactory,
+    WorkloadError,
+    target_prompts,
+)
 from calculet_load.measure.selfwatch import SelfWatch
 from calculet_load.measure.session import RunContext, Session
 from calculet_load.measure.sink import PartSink
@@ -112,6 +119,16 @@ class RunClient:
     def prompt(self, tokens: int, sample: int) -> Prompt:
         """The prompt of exactly `tokens` tokens from corpus sample `sample`, built once."""
         return self.prompts(self.target.protocol, tokens, sample)
+
+    def checked_prompt(self, tokens: int, sample: int) -> Prompt:
+        """`prompt`, or RunStop: exit 2 for a prompt the target cannot take, 3 when its
+        tokenizer cannot be reached."""
+        try:
+            return self.prompt(tokens, sample)
+        except WorkloadError as exc:
+            raise RunStop(EXIT_INVALID, f"prompt: {exc}") from None
+        except OSError as exc:
+            raise RunStop(EXIT_INFRA, f"prompt: /tokenize unreachable: {exc}") from None
 
     @property
     def prompts(self) -> PromptBook:

@@ -1,6 +1,6 @@
-"""A driver as a sequence of steps (issue 16): each step runs on the driver's typed
-context and ends `ok`, `failed` or `not_available` with a reason; the run's event log
-(`events.jsonl`) records its start and its end, the outcome with it.
+"""A driver as a sequence of steps: each step runs on the driver's typed context and ends
+`ok`, `failed` or `not_available` with a reason; the run's event log (`events.jsonl`)
+records its start and its end, the outcome with it.
 
 A step that cannot run against this target (no admin API, no traces, no device
 telemetry) returns `StepResult.not_available(reason)`: the run goes on and says why,
@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from analysis.cli import analyze_run
-from calculet_load.target.api import off_loop
+from calculet_drivers.skeleton.jsonl import JsonLines
 
-__all__ = ["EventLog", "Step", "StepOutcome", "StepResult", "analyze", "run_steps"]
+__all__ = ["EventLog", "Step", "StepOutcome", "StepResult", "run_steps"]
 
 C = TypeVar("C")
 
@@ -56,19 +53,17 @@ class StepResult:
 
 
 class EventLog:
-    """The run's `events.jsonl`: one row a line, `{wall_ns, step, status, ...}` (a kill
-    cuts at most the line being written). The one format of accept's and soak's logs."""
+    """The run's `events.jsonl`: one row a line, `{wall_ns, step, status, ...}`, the one
+    format of every driver's log. `always`: fields every row carries (the soak's worker)."""
 
     def __init__(self, path: Path, **always: Any) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows = JsonLines(path)
         self.path = path
-        self.always = always  # fields every row carries (soak: the worker)
+        self.always = always
 
     def write(self, step: str, status: str, **detail: Any) -> None:
-        row = {"wall_ns": time.time_ns(), "step": step, "status": status,
-               **self.always, **detail}  # fmt: skip
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+        self.rows.write({"wall_ns": time.time_ns(), "step": step, "status": status,
+                         **self.always, **detail})  # fmt: skip
 
     def end(self, step: str, result: StepResult) -> None:
         """The step's `end` row: its outcome, the reason unless ok, and its detail."""
@@ -108,17 +103,3 @@ def run_steps(
             log.end(step.name, result)
         results[step.name] = result
     return results
-
-
-def analyze(
-    run_dir: Path,
-    *,
-    baseline: str | None = None,
-    rules: str | None = None,
-    quiet: bool = False,
-) -> StepResult:
-    """The run's analysis (`calculet-load analyze`, off the gevent loop): ok with its exit
-    code as `code`."""
-    run = functools.partial(analyze_run, str(run_dir), baseline=baseline, rules=rules,
-                            quiet=quiet)  # fmt: skip
-    return StepResult.ok(code=int(off_loop(run)))

@@ -100,7 +100,7 @@ class Soak:
         self.args = args
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
-        t = self.target = RunTarget.of(self.manifest, args.url, StageError)
+        t = self.target = RunTarget.of(self.manifest, args.url)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
         self.access = t.access  # TLS, base path, headers, API key (schema.access)
         self.token = os.environ.get("CALCULET_ADMIN_TOKEN")
@@ -704,6 +704,9 @@ def run(args: argparse.Namespace) -> int:
     except (StageError, ManifestError, MatrixError, MixError) as exc:
         print(f"soak: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except RunStop as stop:
+        print(f"soak: {stop}", file=sys.stderr)
+        return stop.code
     code = soak.run()
     print(f"soak: exit {code}; {soak.run_dir / 'soak.json'}")
     return code

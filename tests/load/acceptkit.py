@@ -20,7 +20,8 @@ import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
 from analysis.sign import load_verify_key, verify
-from calculet_drivers.accept.pipeline import Options, Pipeline
+from calculet_drivers.accept.acceptrun import Options
+from calculet_drivers.accept.pipeline import Pipeline
 from tests.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]

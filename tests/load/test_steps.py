@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from calculet_drivers.skeleton.steps import EventLog, Step, StepResult, analyze, run_steps
+from calculet_drivers.skeleton.finish import analyze
+from calculet_drivers.skeleton.steps import EventLog, Step, StepResult, run_steps
 from calculet_load.errors import RunStop
 
 

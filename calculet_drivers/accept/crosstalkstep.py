@@ -12,21 +12,46 @@ judges the same records again (the `crosstalk` rule, analysis.judge.crosstalk).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import gevent
 
+from calculet_drivers.accept.acceptrun import AcceptRun
 from calculet_drivers.skeleton.steps import StepResult
+from calculet_load.errors import EXIT_FAIL
+from calculet_load.measure.client import run_in_greenlet
 from calculet_load.measure.prompts import Prompt
 from calculet_load.measure.session import RequestSpec, Session, golden_spec
 from calculet_load.schema.crosstalk import Sent, cell_name, compare
 from calculet_load.schema.records import RequestRecord
 from calculet_load.workload.matrix import GoldenCase
 
-__all__ = ["ROUNDS", "greedy_cases", "run_crosstalk"]
+__all__ = ["ROUNDS", "crosstalk", "greedy_cases", "run_crosstalk"]
 
 ROUNDS = 2  # closed-loop requests per user, and bursts
+
+
+def crosstalk(run: AcceptRun) -> StepResult:
+    """The step: a difference makes the run a correctness failure (exit 1) and the run
+    goes on (the analysis shows it)."""
+    if run.golden is None:
+        return StepResult.not_available("no golden set given: nothing to compare")
+    n = run.o.crosstalk_concurrency
+    result = run_in_greenlet(
+        functools.partial(run_crosstalk, run.client.session, run.prompt, run.golden.cases, n,
+                          run.manifest.run_id)
+    )  # fmt: skip
+    d = result.detail
+    if d.get("differences"):
+        run.code = EXIT_FAIL
+        run.notes.append(f"crosstalk: {result.reason}")
+    run.say(
+        f"crosstalk at concurrency {n}: {d.get('different', 0)} of "
+        f"{d.get('compared', 0)} copies differ from their reference sent alone"
+    )
+    return result
 
 
 def greedy_cases(cases: Sequence[GoldenCase]) -> list[GoldenCase]:
