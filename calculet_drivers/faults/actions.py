@@ -11,36 +11,29 @@ recovery are added when the scenario ends).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import gevent
 
 from calculet_drivers.faults.check import get_path
 from calculet_drivers.faults.maintenance import record_base, snapshot_of
-from calculet_drivers.faults.observe import Observation, ReqObs
+from calculet_drivers.faults.observe import ReqObs
+from calculet_drivers.faults.scenariorun import Bench, Run, send_one, spawn
 from calculet_drivers.faults.spec import (
     MAINTENANCE_PATHS,
     PATH_OF,
     Action,
     Admin,
-    FaultScenario,
     Illegal,
     Maintenance,
     Send,
     WaitEvent,
     WaitState,
 )
-from calculet_load.measure.client import Outcome
 from calculet_load.measure.prompts import Prompt
-from calculet_load.measure.session import RequestSpec
-
-if TYPE_CHECKING:
-    from calculet_drivers.faults.matrix import FaultMatrix
 
 UINT32_MAX = 2**32 - 1
 # The probe a maintenance action's recovery waits for: a reference request of its own.
@@ -55,117 +48,22 @@ class NotAuthorized(ActionFailed):
     """A maintenance action the manifest does not authorize now: not sent (spec §12.4)."""
 
 
-@dataclasses.dataclass
-class Run:
-    """One scenario while it runs."""
-
-    sc: FaultScenario
-    broken: bool
-    obs: Observation
-    served_calbin: str | None = None
-    background: dict[str, list[gevent.Greenlet]] = dataclasses.field(default_factory=dict)
-    admin_bg: dict[str, gevent.Greenlet] = dataclasses.field(default_factory=dict)
-    cpu_marks: dict[str, tuple[float | None, float]] = dataclasses.field(default_factory=dict)
-    admin_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    load_stop: bool = False
-
-
-# ------------------------------------------------------------------ sending
-
-
-def send_one(
-    fm: FaultMatrix,
-    run: Run,
-    group: str,
-    prompt: Prompt,
-    max_tokens: int,
-    *,
-    key: tuple[int, int, int] | None,
-    stream: bool = True,
-    timeout_s: float | None = None,
-    case: str = "",
-    user: str = "",
-) -> ReqObs:
-    req = ReqObs(group=group, key=key, case=case, max_tokens=max_tokens, user=user or group)
-    run.obs.requests.append(req)
-    me = gevent.getcurrent()
-    me.fault_req = req
-    spec = RequestSpec(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        stream=stream,
-        cell=f"fault:{run.sc.name}:{group}",
-        arrival="fault",
-        reuse=key is not None,  # compared with the reference output of the same prompt
-    )
-    session = fm.session(None if timeout_s is None else fm.real(timeout_s))
-    t0 = time.monotonic()
-    req.start_wall_ns = time.time_ns()
-    out: Outcome | None
-    try:
-        _, out = session.send(spec)
-    except gevent.GreenletExit as exc:  # the driver cut it: a client going away
-        out = getattr(exc, "outcome", None)
-    req.elapsed_s = time.monotonic() - t0
-    req.end_wall_ns = time.time_ns()
-    req.rid = getattr(me, "fault_request_id", None)
-    if out is not None:
-        req.rid = out.request_id
-        req.status = out.http_status
-        req.error_type = out.error_code
-        req.error_class = out.error_class
-        req.tokens = out.output_tokens
-        req.token_hash = out.token_hash
-        req.nonfinite = out.nonfinite
-    return req
-
-
-def spawn(run: Run, group: str, fn: Callable[[], Any]) -> gevent.Greenlet:
-    g = gevent.spawn(fn)
-    run.background.setdefault(group, []).append(g)
-    return g
-
-
-def start_load(fm: FaultMatrix, run: Run) -> None:
-    spec = run.sc.load
-    if spec is None or spec.concurrency == 0:
-        return
-    pause = max(spec.pause_after_error_s * fm.scale, 0.005)
-
-    def user(u: int) -> None:
-        for k in itertools.count(u):
-            if run.load_stop:
-                return
-            sample = 100 + k % spec.samples
-            key = (spec.prompt_tokens, sample, spec.max_tokens)
-            prompt = fm.prompt(spec.prompt_tokens, sample)
-            req = send_one(
-                fm, run, "load", prompt, spec.max_tokens, key=key, stream=spec.stream,
-                user=f"load-{u}",
-            )  # fmt: skip
-            if not req.ok:
-                gevent.sleep(pause)
-
-    for u in range(spec.concurrency):
-        spawn(run, "load", functools.partial(user, u))
-
-
 # ------------------------------------------------------------------ actions
-Handler = Callable[["FaultMatrix", Run, Any], None]
+Handler = Callable[[Bench, Run, Any], None]
 
 
-def act(fm: FaultMatrix, run: Run, a: Action) -> None:
+def act(fm: Bench, run: Run, a: Action) -> None:
     """Run one action (the one field it has set) through its handler."""
     kind = a.kind
     HANDLERS[kind](fm, run, getattr(a, kind))
 
 
-def _clear(fm: FaultMatrix, run: Run, name: str) -> None:
+def _clear(fm: Bench, run: Run, name: str) -> None:
     path = "/admin/faults" if name == "all" else f"/admin/faults?scenario={name}"
     admin(fm, run, "DELETE", path, None, None)
 
 
-def _wait_group(fm: FaultMatrix, run: Run, group: str) -> None:
+def _wait_group(fm: Bench, run: Run, group: str) -> None:
     jobs = run.background.get(group, [])
     if not jobs:
         raise ActionFailed(f"no background requests in group {group!r}")
@@ -174,7 +72,7 @@ def _wait_group(fm: FaultMatrix, run: Run, group: str) -> None:
         raise ActionFailed(f"group {group!r} still running after the timeout")
 
 
-def _wait_admin(fm: FaultMatrix, run: Run, label: str) -> None:
+def _wait_admin(fm: Bench, run: Run, label: str) -> None:
     g = run.admin_bg.get(label)
     if g is None:
         raise ActionFailed(f"no background admin call {label!r}")
@@ -183,7 +81,7 @@ def _wait_admin(fm: FaultMatrix, run: Run, label: str) -> None:
         raise ActionFailed(f"admin call {label!r} did not answer")
 
 
-def _admin_action(fm: FaultMatrix, run: Run, adm: Admin) -> None:
+def _admin_action(fm: Bench, run: Run, adm: Admin) -> None:
     body = _substitute(adm.body, run.served_calbin)
     label = adm.label or adm.path
     if adm.background:
@@ -194,22 +92,22 @@ def _admin_action(fm: FaultMatrix, run: Run, adm: Admin) -> None:
         admin(fm, run, adm.method, adm.path, body, label)
 
 
-def _health(fm: FaultMatrix, run: Run, label: str) -> None:
+def _health(fm: Bench, run: Run, label: str) -> None:
     run.obs.admin[label] = fm.api.health()
 
 
-def _cpu_start(fm: FaultMatrix, run: Run, name: str) -> None:
+def _cpu_start(fm: Bench, run: Run, name: str) -> None:
     run.cpu_marks[name] = (_cpu(fm), time.monotonic())
 
 
-def _cpu_stop(fm: FaultMatrix, run: Run, name: str) -> None:
+def _cpu_stop(fm: Bench, run: Run, name: str) -> None:
     cpu0, t0 = run.cpu_marks.get(name, (None, time.monotonic()))
     cpu1, t1 = _cpu(fm), time.monotonic()
     share = None if cpu0 is None or cpu1 is None or t1 <= t0 else (cpu1 - cpu0) / (t1 - t0)
     run.obs.cpu_share[name] = share
 
 
-def _authorize(fm: FaultMatrix, method: str, path: str) -> str | None:
+def _authorize(fm: Bench, method: str, path: str) -> str | None:
     """The maintenance action of an admin call (None: not one); NotAuthorized when the
     manifest does not authorize it at this moment."""
     action = MAINTENANCE_PATHS.get(path.split("?")[0]) if method == "POST" else None
@@ -221,7 +119,7 @@ def _authorize(fm: FaultMatrix, method: str, path: str) -> str | None:
 
 
 def admin(
-    fm: FaultMatrix, run: Run, method: str, path: str, body: Any, label: str | None
+    fm: Bench, run: Run, method: str, path: str, body: Any, label: str | None
 ) -> tuple[int, Any]:
     action = _authorize(fm, method, path)
     record = None
@@ -252,7 +150,7 @@ def admin(
     return status, answer
 
 
-def _state_and_health(fm: FaultMatrix) -> tuple[dict[str, Any], tuple[int | None, Any]]:
+def _state_and_health(fm: Bench) -> tuple[dict[str, Any], tuple[int | None, Any]]:
     try:
         state = fm.api.state()
     except OSError as exc:
@@ -264,7 +162,7 @@ def _state_and_health(fm: FaultMatrix) -> tuple[dict[str, Any], tuple[int | None
     return state, health
 
 
-def _maintenance(fm: FaultMatrix, run: Run, m: Maintenance) -> None:
+def _maintenance(fm: Bench, run: Run, m: Maintenance) -> None:
     """The action, then its recovery: `/health` 200 with the target ready, then the probe
     request with its reference output. Times are real; the record gives target seconds."""
     label = m.label or m.action
@@ -300,7 +198,7 @@ def _maintenance(fm: FaultMatrix, run: Run, m: Maintenance) -> None:
         )
 
 
-def _cpu(fm: FaultMatrix) -> float | None:
+def _cpu(fm: Bench) -> float | None:
     for name in ("calculet_process_cpu_seconds_total", "calculet_process_cpu_seconds",
                  "process_cpu_seconds_total"):  # fmt: skip
         value = fm.api.metric(name)
@@ -309,7 +207,7 @@ def _cpu(fm: FaultMatrix) -> float | None:
     return None
 
 
-def arm(fm: FaultMatrix, run: Run, spec: dict[str, Any]) -> None:
+def arm(fm: Bench, run: Run, spec: dict[str, Any]) -> None:
     if run.broken and spec.get("scenario") == run.sc.target_fault:
         spec["broken"] = True
     status, answer = admin(fm, run, "POST", "/admin/faults", spec, None)
@@ -317,7 +215,7 @@ def arm(fm: FaultMatrix, run: Run, spec: dict[str, Any]) -> None:
         raise ActionFailed(f"arm {spec}: HTTP {status}: {answer}")
 
 
-def _do_send(fm: FaultMatrix, run: Run, s: Send) -> None:
+def _do_send(fm: Bench, run: Run, s: Send) -> None:
     n = s.n
     if s.n_from is not None:
         value = get_path(fm.api.state(), s.n_from)
@@ -349,7 +247,7 @@ def _do_send(fm: FaultMatrix, run: Run, s: Send) -> None:
         gevent.joinall(jobs)
 
 
-def _illegal_prompt(fm: FaultMatrix, n: int) -> Prompt:
+def _illegal_prompt(fm: Bench, n: int) -> Prompt:
     """A prompt of exactly n tokens (0 and over the context included)."""
     if n <= 0:
         return Prompt("illegal:empty", 0, "" if fm.client.factory.mode == "chat" else [])
@@ -363,7 +261,7 @@ def _illegal_prompt(fm: FaultMatrix, n: int) -> Prompt:
     return Prompt(f"illegal:{n}", n, ids)
 
 
-def _do_illegal(fm: FaultMatrix, run: Run, s: Illegal) -> None:
+def _do_illegal(fm: Bench, run: Run, s: Illegal) -> None:
     m = fm.max_context
     cases: dict[str, tuple[int, int]] = {
         "empty_prompt": (0, 4),
@@ -385,7 +283,7 @@ def _do_illegal(fm: FaultMatrix, run: Run, s: Illegal) -> None:
         g.join()
 
 
-def _do_cancel(fm: FaultMatrix, run: Run, group: str) -> None:
+def _do_cancel(fm: Bench, run: Run, group: str) -> None:
     jobs = [g for g in run.background.get(group, []) if not g.dead]
     if not jobs:
         raise ActionFailed(f"nothing of group {group!r} in flight to cancel")
@@ -398,7 +296,7 @@ def _do_cancel(fm: FaultMatrix, run: Run, group: str) -> None:
     gevent.joinall(jobs, timeout=10)
 
 
-def _wait_state(fm: FaultMatrix, run: Run, w: WaitState) -> None:
+def _wait_state(fm: Bench, run: Run, w: WaitState) -> None:
     before = run.obs.state_before
     last: dict[str, Any] = {}
 
@@ -433,12 +331,12 @@ def _wait_state(fm: FaultMatrix, run: Run, w: WaitState) -> None:
         )
 
 
-def window_rows(fm: FaultMatrix, run: Run) -> list[dict[str, Any]]:
+def window_rows(fm: Bench, run: Run) -> list[dict[str, Any]]:
     run.obs.events += fm.api.trace_rows("server_events")
     return run.obs.events
 
 
-def _wait_event(fm: FaultMatrix, run: Run, w: WaitEvent) -> None:
+def _wait_event(fm: Bench, run: Run, w: WaitEvent) -> None:
     from calculet_drivers.faults.check import detail_matches
 
     def found() -> bool:

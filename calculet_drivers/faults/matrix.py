@@ -56,10 +56,8 @@ from calculet_drivers.faults.actions import (
     PROBE_KEY,
     ActionFailed,
     NotAuthorized,
-    Run,
     act,
     arm,
-    start_load,
     window_rows,
 )
 from calculet_drivers.faults.check import judge
@@ -72,6 +70,7 @@ from calculet_drivers.faults.maintenance import (
     snapshot_of,
 )
 from calculet_drivers.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
+from calculet_drivers.faults.scenariorun import Run, start_load
 from calculet_drivers.faults.spec import FaultScenario, FaultSpecError, load_scenarios
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
