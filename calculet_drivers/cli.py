@@ -51,7 +51,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run",
     ),
     "faults": (
-        "calculet_drivers.faults.matrix",
+        "calculet_drivers.commands.faults",
         "run the fault matrix of §12 (scenarios as data) against a target: faults.json, "
         "a verdict with evidence per scenario",
         "add_arguments",

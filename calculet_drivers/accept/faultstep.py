@@ -5,13 +5,8 @@ from __future__ import annotations
 import os
 
 from calculet_drivers.accept.acceptrun import AcceptRun
-from calculet_drivers.faults.matrix import (
-    ERROR,
-    FAIL,
-    NOT_RUN,
-    FaultMatrix,
-    FaultOptions,
-)
+from calculet_drivers.faults.matrix import FaultMatrix
+from calculet_drivers.faults.scenariorun import ERROR, FAIL, NOT_RUN, FaultOptions
 from calculet_drivers.skeleton.jsonl import read_rows
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, RunStop
 

@@ -27,7 +27,50 @@ from calculet_load.measure.session import RequestSpec, Session
 from calculet_load.schema.manifest import RunManifest
 from calculet_load.target.api import TargetAPI
 
-__all__ = ["Bench", "Run", "send_one", "spawn", "start_load"]
+__all__ = [
+    "ERROR",
+    "FAIL",
+    "NOT_AVAILABLE",
+    "NOT_RUN",
+    "PASS",
+    "SKIPPED",
+    "VERDICTS",
+    "Bench",
+    "FaultOptions",
+    "Run",
+    "send_one",
+    "spawn",
+    "start_load",
+]
+
+PASS, FAIL, ERROR, SKIPPED = "PASS", "FAIL", "ERROR", "SKIPPED"
+# Not run because the manifest does not authorize its maintenance actions (spec §12.4):
+# never a pass, so the matrix exits 1 (see docs/faults.md).
+NOT_RUN = "NOT_RUN"
+# the target is not one that can be fault-injected (its profile has no admin API):
+# nothing was run, and nothing failed
+NOT_AVAILABLE = "NOT_AVAILABLE"
+VERDICTS = (PASS, FAIL, ERROR, SKIPPED, NOT_RUN, NOT_AVAILABLE)
+
+
+@dataclasses.dataclass
+class FaultOptions:
+    manifest: str
+    scenarios: str = "configs/faults"
+    url: str | None = None
+    run_dir: str | None = None
+    golden: str | None = None
+    admin_token: str | None = None
+    only: list[str] | None = None
+    broken: list[str] | None = None  # rehearsal: arm these scenarios' faults broken ("all")
+    allow_stop: bool = False  # run scenarios that stop the target (shutdown)
+    time_scale: float | None = None  # default: /admin/state `time_scale`, else 1
+    slack_s: float = 0.5  # real seconds on top of every scaled time bound
+    settle_s: float = 0.5  # real seconds for the target to flush its traces
+    progress: bool = True
+    worker: str = "faults"
+    # the run's start, for a maintenance window given as a duration (default: now)
+    run_started_wall_ns: int | None = None
 
 
 class Bench(Protocol):
