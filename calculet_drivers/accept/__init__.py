@@ -1,1 +1,2 @@
-"""The §15 acceptance pipeline, interleaved A/B, the §14.3 capacity search and the demo."""
+"""The §15 acceptance run: its steps (`pipeline` orders them), the matrix on Locust
+workers (`fleet`), interleaved A/B (`interleave`) and the fault matrix as a step."""
