@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from calculet_load.errors import EXIT_INVALID, RunStop
 from calculet_load.ranges import POSITIVE_RATE, SCALE, SEED
 
 __all__ = ["add_arguments", "run"]
@@ -49,6 +51,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from calculet_drivers.soak.run import run as run_soak
+    """`calculet-load soak`."""
+    from calculet_drivers.soak.run import Soak
+    from calculet_drivers.soak.stage import StageError
+    from calculet_load.schema.manifest import ManifestError
+    from calculet_load.workload.matrix import MatrixError
+    from calculet_load.workload.mixes import MixError
 
-    return run_soak(args)
+    if args.duration_scale is not None and not 0 < args.duration_scale <= 1:
+        print("soak: --duration-scale must be within (0, 1]", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        soak = Soak(args)
+    except (StageError, ManifestError, MatrixError, MixError) as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except RunStop as stop:
+        print(f"soak: {stop}", file=sys.stderr)
+        return stop.code
+    code = soak.run()
+    print(f"soak: exit {code}; {soak.run_dir / 'soak.json'}")
+    return code

@@ -1,1 +1,2 @@
-"""The §13 soak and endurance stages: stage definitions, resumable state, judgement, the run."""
+"""The §13 soak and endurance stages: stage files, the run and its load and samplers,
+resumable state, judgement."""
