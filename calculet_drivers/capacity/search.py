@@ -1,4 +1,3 @@
-# size: the capacity search driver: its windows, their judgement and the curve it writes
 """`calculet-load capacity`: the stable maximum QPS of spec §14.3, by search.
 
 Windows of open-loop load at one rate each: the rate doubles from `--start-rate` until a
@@ -31,9 +30,7 @@ stable maximum; the records go to the run folder through the sink. The spec asks
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -43,9 +40,8 @@ from typing import Any
 import gevent
 import gevent.pool
 
-from analysis.stats.goodput import meets_slos
-from analysis.stats.trend import theil_sen
-from calculet_drivers.capacity.sla import SPEC_WINDOW_S, GoodputSLA, load_sla
+from calculet_drivers.capacity.sla import SPEC_WINDOW_S, load_sla
+from calculet_drivers.capacity.window import Req, judge_window, ms, p99
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
@@ -58,27 +54,6 @@ from calculet_load.workload.dispatch import LATE_AFTER_MS, OpenLoop, Sender
 from calculet_load.workload.mixes import MixError, load_mix, single
 
 CAPACITY_SCHEMA = "calculet-capacity/v1"
-
-
-@dataclasses.dataclass
-class _Req:
-    sent_mono: float
-    rid: str | None = None
-    status: int | None = None
-    error: str | None = None
-    e2e_s: float | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    output_tokens: int | None = None
-    done_mono: float | None = None
-
-
-def _p99(values: list[float]) -> float | None:
-    """P99 as an observed value (numpy's "higher": x_(ceil(0.99 (n-1)) + 1))."""
-    if not values:
-        return None
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, math.ceil(0.99 * (len(xs) - 1)))]
 
 
 class Capacity:
@@ -178,7 +153,7 @@ class Capacity:
         chooser = self.mix.chooser(a.seed)
         clock = RateClock(rate_real, 1)
         pool = gevent.pool.Pool(a.max_in_flight)
-        reqs: list[_Req] = []
+        reqs: list[Req] = []
         dropped = 0
         cell = f"capacity:{rate:.6g}"
         samples: list[tuple[float, int]] = []
@@ -193,7 +168,7 @@ class Capacity:
                 gevent.sleep(every)
 
         def send(spec: RequestSpec) -> None:
-            req = _Req(sent_mono=time.monotonic())
+            req = Req(sent_mono=time.monotonic())
             reqs.append(req)
             rec, out = self.session.send(spec)
             tpot = rec.durations_ms.tpot
@@ -244,120 +219,21 @@ class Capacity:
         cut = len(pool)
         pool.kill(block=True, timeout=10)
         self._drain()
-        result = self._judge(rate, reqs, dropped, samples, measure_from, end, cut)
+        queue = self._queue_ms({r.rid for r in reqs if r.sent_mono >= measure_from and r.rid})
+        queue_limit = self.sla.max_queue_p99_ms if self.target.profile.traces else None
+        result = judge_window(self.sla, self.scale, rate, reqs, dropped, samples,
+                              measure_from, end, cut, queue, queue_limit)  # fmt: skip
         self.curve.append(result)
         m = result["metrics"]
         self.say(
             f"  {rate:8.4g} req/s: {'stable  ' if result['stable'] else 'UNSTABLE'} "
             f"served {m['served_rate']:.4g}/s, backlog +{m['backlog_growth']:.1f}, "
-            f"rejects {m['reject_rate']:.1%}, e2e p99 {_ms(m['e2e_p99_ms'])}, "
-            f"queue p99 {_ms(m['queue_p99_ms'])}"
+            f"rejects {m['reject_rate']:.1%}, e2e p99 {ms(m['e2e_p99_ms'])}, "
+            f"queue p99 {ms(m['queue_p99_ms'])}"
             + (f", goodput {m['goodput_share']:.1%}" if "goodput_share" in m else "")
             + ("" if result["stable"] else f" ({'; '.join(result['reasons'])})")
         )
         return result
-
-    def _judge(
-        self,
-        rate: float,
-        reqs: list[_Req],
-        dropped: int,
-        samples: list[tuple[float, int]],
-        measure_from: float,
-        end: float,
-        cut: int,
-    ) -> dict[str, Any]:
-        sla = self.sla
-        s = self.scale
-        measured = [r for r in reqs if r.sent_mono >= measure_from]
-        arrivals = len(measured) + dropped
-        span = end - measure_from
-        rejects = sum(1 for r in measured if r.status in (429, 503))
-        errors = sum(1 for r in measured if r.error is not None)
-        ok = [r for r in measured if r.error is None and r.e2e_s is not None]
-        served = sum(
-            1
-            for r in reqs
-            if r.done_mono is not None and r.error is None and measure_from <= r.done_mono <= end
-        )
-        pts = [(t, n) for t, n in samples if t >= measure_from]
-        slope = float(theil_sen([t for t, _ in pts], [float(n) for _, n in pts]).slope)
-        growth = slope * span
-        queue = self._queue_ms({r.rid for r in measured if r.rid})
-        reject_rate = (rejects + dropped) / arrivals if arrivals else 0.0
-        metrics: dict[str, Any] = {
-            "arrivals": arrivals,
-            "completed_ok": len(ok),
-            "errors": errors,
-            "rejects": rejects,
-            "dropped": dropped,
-            "cut_at_window_end": cut,
-            "reject_rate": reject_rate,
-            "served_rate": served / span * s if span > 0 else 0.0,  # per target second
-            "backlog_growth": growth,
-            "in_flight_end": pts[-1][1] if pts else None,
-            "e2e_p99_ms": _scaled(_p99([r.e2e_s for r in ok if r.e2e_s is not None]), s),
-            "ttft_p99_ms": _scaled(_p99([r.ttft_s for r in ok if r.ttft_s is not None]), s),
-            "queue_p99_ms": queue,
-        }
-        if sla.goodput is not None:
-            metrics.update(self._goodput(sla.goodput, measured, arrivals, span, measure_from, end))
-        reasons = []
-        allowed = max(2.0, sla.backlog_tolerance * arrivals)
-        if growth > allowed:
-            reasons.append(f"backlog grew by {growth:.1f} requests (allowed {allowed:.1f})")
-        if sla.max_reject_rate is not None and reject_rate > sla.max_reject_rate:
-            reasons.append(f"reject rate {reject_rate:.2%} > {sla.max_reject_rate:.2%}")
-        for key, limit in (
-            ("queue_p99_ms", sla.max_queue_p99_ms if self.target.profile.traces else None),
-            ("ttft_p99_ms", sla.max_ttft_p99_ms),
-            ("e2e_p99_ms", sla.max_e2e_p99_ms),
-        ):
-            value = metrics[key]
-            if limit is not None and (value is None or value > limit):
-                reasons.append(f"{key} {_ms(value)} > {limit:g} ms")
-        if sla.goodput is not None and metrics["goodput_share"] < sla.goodput.min_share:
-            reasons.append(
-                f"goodput share {metrics['goodput_share']:.1%} < {sla.goodput.min_share:.1%}"
-            )
-        if errors - rejects > 0:
-            reasons.append(f"{errors - rejects} request(s) failed (not rejections)")
-        if not ok:
-            reasons.append("no request completed in the measured part")
-        return {"rate": rate, "stable": not reasons, "reasons": reasons, "metrics": metrics}
-
-    def _goodput(
-        self,
-        slo: GoodputSLA,
-        measured: list[_Req],
-        arrivals: int,
-        span: float,
-        measure_from: float,
-        end: float,
-    ) -> dict[str, Any]:
-        """The measured arrivals that met the objectives (target ms): their share of all
-        arrivals (a dropped one is not good), and those ended inside the measured part per
-        target second."""
-        s = self.scale
-        good = meets_slos(
-            [r.error is None and r.e2e_s is not None for r in measured],
-            [_target_ms(r.ttft_s, s) for r in measured],
-            [_target_ms(r.tpot_s, s) for r in measured],
-            [float("nan") if r.output_tokens is None else r.output_tokens for r in measured],
-            max_ttft_ms=slo.max_ttft_ms,
-            max_tpot_ms=slo.max_tpot_ms,
-        )
-        n_good = int(sum(bool(g) for g in good))
-        ended = sum(
-            1
-            for r, g in zip(measured, good, strict=True)
-            if g and r.done_mono is not None and measure_from <= r.done_mono <= end
-        )
-        return {
-            "goodput_good": n_good,
-            "goodput_share": n_good / arrivals if arrivals else 0.0,
-            "goodput_rate": ended / span * s if span > 0 else 0.0,  # per target second
-        }
 
     def _queue_ms(self, rids: set[str]) -> float | None:
         """P99 of the server's queue time (accepted -> job_prepared of step 0), target ms."""
@@ -377,7 +253,7 @@ class Capacity:
                 accepted[rid] = r["mono_ns"]
             elif r["event"] == "job_prepared" and r.get("step_index") == 0 and rid in accepted:
                 queue.append((r["mono_ns"] - accepted.pop(rid)) / 1e6 / self.scale)
-        return _p99(queue)
+        return p99(queue)
 
     def _drain(self) -> None:
         """Wait until the target is idle again (nothing queued or running)."""
@@ -428,7 +304,7 @@ class Capacity:
             m = w["metrics"]
             self.say(
                 f"  {w['rate']:10.4g}  {'stable' if w['stable'] else 'UNSTABLE':8}  "
-                f"served {m['served_rate']:8.4g}  e2e p99 {_ms(m['e2e_p99_ms']):>10}  "
+                f"served {m['served_rate']:8.4g}  e2e p99 {ms(m['e2e_p99_ms']):>10}  "
                 f"rejects {m['reject_rate']:6.1%}"
             )
         if lo is None:
@@ -438,19 +314,6 @@ class Capacity:
         bound = "at least (the max rate was stable)" if hi is None else f"below {hi:.4g}"
         print(f"capacity: stable max {lo:.4g} req/s ({bound}); {self.run_dir / 'capacity.json'}")
         return EXIT_OK
-
-
-def _scaled(seconds: float | None, scale: float) -> float | None:
-    return None if seconds is None else seconds * 1000.0 / scale
-
-
-def _target_ms(seconds: float | None, scale: float) -> float:
-    """Real seconds as target ms; NaN for a figure the request does not have."""
-    return float("nan") if seconds is None else seconds * 1000.0 / scale
-
-
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} ms"
 
 
 # ---------------------------------------------------------------------- CLI

@@ -74,7 +74,7 @@ class Observation:
     golden_after: tuple[bool, str] | None = None  # (passed, detail); None: not run
     # spec §12.4: one record per maintenance action, and the audit log before and after
     maintenance: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    audit: Any = None  # calculet_drivers.faults.maintenance.AuditObs when the scenario has actions
+    audit: Any = None  # calculet_drivers.faults.audit.AuditObs when the scenario has actions
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

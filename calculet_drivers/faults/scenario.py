@@ -23,13 +23,9 @@ from calculet_drivers.faults.actions import (
     arm,
     window_rows,
 )
+from calculet_drivers.faults.audit import AuditObs, match_audit_rows
 from calculet_drivers.faults.check import judge
-from calculet_drivers.faults.maintenance import (
-    AuditObs,
-    finish_records,
-    match_audit_rows,
-    snapshot_of,
-)
+from calculet_drivers.faults.maintenance import finish_records, snapshot_of
 from calculet_drivers.faults.observe import TERMINAL_EVENTS, Observation, ReqObs
 from calculet_drivers.faults.scenariorun import (
     ERROR,

@@ -16,8 +16,8 @@ from typing import Any
 
 from analysis.judge.resources import leak_segments
 from analysis.stats.trend import theil_sen
-from calculet_drivers.faults.maintenance import parse_rows
 from calculet_drivers.skeleton.finish import analyze
+from calculet_drivers.skeleton.jsonl import parse_rows
 from calculet_drivers.soak.stage import PassConditions
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 

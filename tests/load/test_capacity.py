@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from calculet_drivers.capacity.search import _p99
 from calculet_drivers.capacity.sla import SLA, GoodputSLA, load_sla
+from calculet_drivers.capacity.window import p99
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO
@@ -84,8 +84,8 @@ def test_sla_file_and_options(tmp_path: Path) -> None:
     path.write_text("sla: {max_reject_rate: 2}\n")
     with pytest.raises(ValueError, match="max_reject_rate"):
         load_sla(str(path), {})
-    assert _p99([float(x) for x in range(1, 101)]) == 100.0
-    assert _p99([3.0]) == 3.0 and _p99([]) is None
+    assert p99([float(x) for x in range(1, 101)]) == 100.0
+    assert p99([3.0]) == 3.0 and p99([]) is None
     path.write_text("sla: {goodput: {max_ttft_ms: 500, min_share: 0.95}}\n")
     goodput = load_sla(str(path), {}).goodput
     assert goodput == GoodputSLA(max_ttft_ms=500, min_share=0.95)

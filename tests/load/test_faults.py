@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from calculet_drivers.faults.check import check_requests, released_in_flight, shared_leases
+from calculet_drivers.faults.check import check_requests
+from calculet_drivers.faults.facts import released_in_flight, shared_leases
 from calculet_drivers.faults.observe import Observation, ReqObs
 from calculet_drivers.faults.spec import RequestCheck, load_scenarios
 from tests.conftest import REPO
