@@ -3,7 +3,8 @@
 The import graph is read from the source (every `import`, also inside functions and under
 `TYPE_CHECKING`: an arrow is an arrow); a module may import modules of a lower layer, or
 of its own subpackage as long as that makes no cycle. Modules over 500 lines say why in
-a one-line `# size:` comment near their top.
+a one-line `# size:` comment near their top; a module of the drivers stays under 400 lines,
+with no such excuse.
 """
 
 from __future__ import annotations
@@ -190,3 +191,13 @@ def test_long_modules_say_why(name: str) -> None:
         assert any(line.startswith("# size:") for line in lines[:40]), (
             f"{name}: {len(lines)} lines; split it or say why in a '# size:' line at its top"
         )
+
+
+DRIVER_MAX_LINES = 400  # the drivers are steps and judgement on the skeleton: no excuse
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if m.startswith("calculet_drivers")))
+def test_driver_modules_are_short(name: str) -> None:
+    lines = MODULES[name].read_text().splitlines()
+    assert len(lines) <= DRIVER_MAX_LINES, f"{name}: {len(lines)} lines; split it"
+    assert not any(line.startswith("# size:") for line in lines), f"{name}: a `# size:` line"
