@@ -42,6 +42,7 @@ import gevent.pool
 
 from calculet_drivers.capacity.sla import SPEC_WINDOW_S, load_sla
 from calculet_drivers.capacity.window import Req, judge_window, ms, p99
+from calculet_drivers.skeleton.progress import Progress
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK, RunStop
@@ -59,6 +60,7 @@ CAPACITY_SCHEMA = "calculet-capacity/v1"
 class Capacity:
     def __init__(self, args: argparse.Namespace) -> None:
         self.a = args
+        self.say = Progress(not args.quiet)
         self.manifest = load_manifest(args.manifest)
         t = self.target = RunTarget.of(self.manifest, args.url)
         self.url, self.protocol, self.model = t.url, t.protocol, t.model
@@ -79,10 +81,6 @@ class Capacity:
         self.mix = load_mix(args.mix) if args.mix else single(args.prompt_tokens, args.max_tokens)
         self.run_dir = Path(args.run_dir or Path("runs") / f"{self.manifest.run_id}-capacity")
         self.curve: list[dict[str, Any]] = []
-
-    def say(self, text: str) -> None:
-        if not self.a.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
     # ------------------------------------------------------------------ the search
     def run(self) -> int:

@@ -65,6 +65,7 @@ from calculet_drivers.faults.scenariorun import (
     FaultOptions,
 )
 from calculet_drivers.faults.spec import FaultScenario, FaultSpecError, load_scenarios
+from calculet_drivers.skeleton.progress import Progress
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
 from calculet_drivers.skeleton.steps import Step, run_steps
@@ -104,6 +105,7 @@ class _FaultSession(Session):
 class FaultMatrix:
     def __init__(self, opts: FaultOptions) -> None:
         self.o = opts
+        self.say = Progress(opts.progress)
         try:
             self.manifest: RunManifest = load_manifest(opts.manifest)
             self.scenarios = load_scenarios(opts.scenarios, opts.only)
@@ -131,9 +133,6 @@ class FaultMatrix:
         self.code = EXIT_OK
 
     # ------------------------------------------------------------------ plumbing
-    def say(self, text: str) -> None:
-        if self.o.progress:
-            print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
     def _broken(self, sc: FaultScenario) -> bool:
         b = self.o.broken or []

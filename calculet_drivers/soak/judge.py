@@ -17,7 +17,7 @@ from typing import Any
 from analysis.judge.resources import leak_segments
 from analysis.stats.trend import theil_sen
 from calculet_drivers.skeleton.finish import analyze
-from calculet_drivers.skeleton.jsonl import parse_rows
+from calculet_drivers.skeleton.jsonl import read_rows
 from calculet_drivers.soak.stage import PassConditions
 from calculet_load.errors import EXIT_FAIL, EXIT_INFRA, EXIT_INVALID, EXIT_OK
 
@@ -97,7 +97,7 @@ def judge(r: StageResult) -> Judgement:
         observed,
     )
     if p.no_abort:
-        health = _read_jsonl(r.run_dir / "soak" / "health.jsonl")
+        health = read_rows(r.run_dir / "soak" / "health.jsonl")
         failures = [h for h in health if h.get("status") != 200]
         observed = {"samples": len(health), "failures": len(failures), "first": failures[:3]}
         if gaps:
@@ -316,14 +316,6 @@ def disk_counts(run_dir: Path, workers: set[str] | None = None) -> dict[str, Any
     return out
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON object rows of a JSONL file (none when it is missing; bad lines skipped)."""
-    try:
-        return parse_rows(path.read_bytes())
-    except OSError:
-        return []
-
-
 def _client_slope(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Theil–Sen slope of one client process' RSS (MiB per real hour), after a 10%
     warmup (the analysis's estimator)."""
@@ -365,7 +357,7 @@ def memory_flat(segment: dict[str, Any], p: PassConditions) -> bool:
 def _client_slopes(path: Path) -> dict[str, Any]:
     """The RSS slope of each client process (attempt) separately: a restarted process
     starts small, and joining it to the killed one would fake a drop or a rise."""
-    rows = _read_jsonl(path)
+    rows = read_rows(path)
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(str(r.get("worker", "w00")), []).append(r)

@@ -58,11 +58,11 @@ import gevent.pool
 
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.steps import EventLog, Step, run_steps
+from calculet_drivers.skeleton.tracecopy import TraceAppender
 from calculet_drivers.soak import state as soakstate
 from calculet_drivers.soak.stage import (
     SoakStage,
 )
-from calculet_drivers.soak.state import TRACE_KINDS
 from calculet_drivers.soak.verdict import SoakJudged
 from calculet_load.clock import wall_iso
 from calculet_load.errors import EXIT_INFRA, EXIT_OK, RunStop
@@ -194,10 +194,7 @@ class Soak(SoakJudged):
         duration_real = float(self.plan["run_duration_real_s"])
         self.state["attempts"].append(self.attempt)
         self._save_state()
-        # trace offsets: the local copies hold exactly the bytes read so far
-        for kind in TRACE_KINDS:
-            path = self.run_dir / "server" / f"{kind}.jsonl"
-            self.api.offsets[kind] = path.stat().st_size if path.exists() else 0
+        self.traces = TraceAppender(self.api, self.run_dir)  # goes on where the last stopped
         if gap is not None:
             self._event("gap", **gap)
             self.say(

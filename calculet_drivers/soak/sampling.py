@@ -9,8 +9,8 @@ import gevent
 import gevent.pool
 import psutil
 
+from calculet_drivers.skeleton.jsonl import JsonLines
 from calculet_drivers.soak.soakrun import SoakRun
-from calculet_drivers.soak.state import TRACE_KINDS, JsonLines
 
 __all__ = ["SoakSampling"]
 
@@ -25,21 +25,8 @@ class SoakSampling(SoakRun):
             self._collect_traces()
 
     def _collect_traces(self, final: bool = False) -> None:
-        if final:
-            gevent.sleep(0.5)  # the target flushes its trace files periodically
-        out = self.run_dir / "server"
-        out.mkdir(parents=True, exist_ok=True)
         self.plan["trace_collections"] = self.plan.get("trace_collections", 0) + 1
-        for kind in TRACE_KINDS:
-            try:
-                data = self.api.trace_bytes(kind)
-            except OSError as exc:
-                if final:
-                    self.notes.append(f"traces {kind}: {exc}")
-                continue
-            if data:
-                with (out / f"{kind}.jsonl").open("ab") as f:
-                    f.write(data)
+        self.notes.extend(self.traces.append(final))
 
     def _client_loop(self) -> None:
         every = self._every(self.stage.sampling.client_every_s)

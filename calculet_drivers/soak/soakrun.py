@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import gevent
 import gevent.pool
 
+from calculet_drivers.skeleton.progress import Progress
 from calculet_drivers.skeleton.runclient import RunClient
 from calculet_drivers.skeleton.runtarget import RunTarget
 from calculet_drivers.skeleton.steps import EventLog
+from calculet_drivers.skeleton.tracecopy import TraceAppender
 from calculet_drivers.soak import state as soakstate
 from calculet_drivers.soak.judge import (
     disk_counts,
@@ -53,9 +54,11 @@ class SoakRun:
     dscale: float
     rate_target: float
     _stoppable: list[gevent.Greenlet]
+    traces: TraceAppender
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.say = Progress(not args.quiet)
         self.stage = load_stage(args.stage)
         self.manifest = load_manifest(args.manifest)
         t = self.target = RunTarget.of(self.manifest, args.url)
@@ -91,10 +94,6 @@ class SoakRun:
         self.open_pool: gevent.pool.Pool | None = None  # the open loop's requests
         self.plan: dict[str, Any] = {}
         self.t_start = self.t_end = float("inf")  # monotonic s: the stage's planned start, end
-
-    def say(self, text: str) -> None:
-        if not self.args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
     # ------------------------------------------------------------------ options, state
     def _options(self) -> dict[str, Any]:

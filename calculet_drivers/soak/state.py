@@ -20,25 +20,16 @@ from typing import Any
 
 import psutil
 
+from calculet_drivers.skeleton.clientindex import parts_of, write_index
+from calculet_drivers.skeleton.folder import repair_tails, save_json
+from calculet_drivers.skeleton.jsonl import last_row
 from calculet_drivers.soak.stage import StageError
 from calculet_load.clock import wall_iso
-from calculet_load.schema.runfolder import ClientIndex, IndexWorker
+from calculet_load.schema.runfolder import IndexWorker
+from calculet_load.target.traces import TRACE_KINDS
 
 STATE_SCHEMA = "calculet-soak-state/v1"
 STATE_FILE = "soak/state.json"
-TRACE_KINDS = ("server_events", "steps", "device")
-
-
-class JsonLines:
-    """A JSONL file that rows are appended to (a line at a time, so a kill cuts one)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-
-    def write(self, row: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row, separators=(",", ":"), default=str) + "\n")
 
 
 def _boot_id() -> str | None:
@@ -113,70 +104,22 @@ def load_state(run_dir: Path, stage: str, run_id: str) -> dict[str, Any]:
 
 def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     """Write `soak/state.json` whole or not at all (a kill mid-write keeps the old one)."""
-    path = run_dir / STATE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(json.dumps(state, indent=1, default=str))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def _repair_tail(path: Path) -> int:
-    """Cut a line left half-written by a killed process (appending after it would make a
-    line that is not JSON); the bytes dropped."""
-    try:
-        with path.open("rb+") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            if size == 0:
-                return 0
-            pos = size
-            while pos > 0:
-                step = min(65536, pos)
-                f.seek(pos - step)
-                chunk = f.read(step)
-                nl = chunk.rfind(b"\n")
-                if nl != -1:
-                    keep = pos - step + nl + 1
-                    break
-                pos -= step
-            else:
-                keep = 0
-            if keep < size:
-                f.truncate(keep)
-            return size - keep
-    except FileNotFoundError:
-        return 0
+    save_json(run_dir / STATE_FILE, state)
 
 
 def repair_files(run_dir: Path) -> dict[str, int]:
     """Cut lines half-written at the kill, in every file a soak run appends to."""
-    cut = {}
     names = ["events.jsonl", "soak/health.jsonl", "client/resources.jsonl",
              "server/resources.jsonl"] + [f"server/{k}.jsonl" for k in TRACE_KINDS]  # fmt: skip
-    for name in names:
-        n = _repair_tail(run_dir / name)
-        if n:
-            cut[name] = n
-    return cut
+    return repair_tails(run_dir, names)
 
 
 def _last_row(path: Path, worker: str | None = None) -> dict[str, Any] | None:
     """The last JSON row of a JSONL file (of `worker`, when rows name one)."""
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and (worker is None or row.get("worker", "w00") == worker):
-            return row
-    return None
+    row: dict[str, Any] | None = last_row(
+        path, lambda r: worker is None or r.get("worker", "w00") == worker
+    )
+    return row
 
 
 def no_gap(state: dict[str, Any], prev: dict[str, Any]) -> str | None:
@@ -264,7 +207,6 @@ def write_client_index(
 ) -> None:
     """`client/index.json`: every attempt is a worker. A killed one's part open at the
     kill is lost (`open_part_lost`); the gap is in soak.json."""
-    client = run_dir / "client"
     workers = []
     keys = ("ntp_offset_ns", "ntp_source", "ntp_synchronized", "ntp_detail", "clock_anchor")
     for a in state["attempts"]:
@@ -275,7 +217,7 @@ def write_client_index(
             pid=a.get("pid"),
             status="reported" if a.get("status") == "finished" else "interrupted",
             attempt_status=a.get("status"),
-            parts=sorted(p.name for p in (client / w).glob("part-*.parquet")),
+            parts=parts_of(run_dir, w),
             **{k: a[k] for k in keys if k in a},
             # a killed attempt's open part is lost
             **({"open_part_lost": True} if a.get("status") == "killed" else {}),
@@ -283,9 +225,6 @@ def write_client_index(
         if a.get("sink") is not None:
             entry.sink = a["sink"]
         workers.append(entry)
-    index = ClientIndex(
-        run_id=run_id, status=status, source=source, target=target, workers=workers,
-        gaps=state["gaps"],
-    )  # fmt: skip
-    index.check_sinks()  # rows not in the parts: the run says so (exit 3)
-    index.write(str(run_dir))
+    # rows not in the parts make the index incomplete: the run says so (exit 3)
+    write_index(run_dir, workers, run_id=run_id, status=status, source=source, target=target,
+                gaps=state["gaps"])  # fmt: skip
