@@ -281,6 +281,12 @@ def _admin_check(label: str, status: Any, body: dict[str, Any] | None, obs: Obse
     return Check(f"admin {label}", ok, expected, {"status": code, "body": answer})
 
 
+def _none_found(name: str, expected: str, found: Sequence[Any], key: str = "count") -> Check:
+    """An invariant that nothing is found: how many were, and the first five."""
+    examples = [x.brief() if isinstance(x, ReqObs) else x for x in found[:5]]
+    return Check(name, not found, expected, {key: len(found), "examples": examples})
+
+
 def _invariants(sc: FaultScenario, obs: Observation, facts: dict[str, Any]) -> list[Check]:
     inv = sc.invariants
     out = []
@@ -294,32 +300,16 @@ def _invariants(sc: FaultScenario, obs: Observation, facts: dict[str, Any]) -> l
             and r.token_hash != r.reference
         ]
         out.append(
-            Check(
-                "invariant: every success carries its reference output",
-                not wrong,
-                "0 wrong outputs",
-                {"wrong": len(wrong), "examples": [r.brief() for r in wrong[:5]]},
-            )
-        )
+            _none_found("invariant: every success carries its reference output",
+                        "0 wrong outputs", wrong, key="wrong")
+        )  # fmt: skip
     if inv.no_nonfinite:
         bad = [r for r in obs.requests if r.nonfinite]
-        out.append(
-            Check(
-                "invariant: no NaN/Inf in a response",
-                not bad,
-                "0",
-                {"count": len(bad), "examples": [r.brief() for r in bad[:5]]},
-            )
-        )
+        out.append(_none_found("invariant: no NaN/Inf in a response", "0", bad))
     if inv.no_shared_leases:
         shared = shared_leases(obs.events)
         out.append(
-            Check(
-                "invariant: no OutputBuf lease shared by live requests",
-                not shared,
-                "0",
-                {"count": len(shared), "examples": shared[:5]},
-            )
+            _none_found("invariant: no OutputBuf lease shared by live requests", "0", shared)
         )
     if inv.recovered and not sc.stops_target:
         state = obs.state_after.get("state")
