@@ -28,6 +28,7 @@ COPY README.md ./
 COPY calculet_load ./calculet_load
 COPY calculet_sim ./calculet_sim
 COPY analysis ./analysis
+COPY calculet_drivers ./calculet_drivers
 # Editable: named mixes are read from configs/mixes/ next to the package, i.e. /app/configs.
 # Then the modules on a token event's path are compiled (calculet_load/measure/native.py:
 # 17-32 % less CPU per request on a worker's I/O engine thread), and the native reader

@@ -341,7 +341,7 @@ def main() -> int:
             f"({_size(root) / 1e9:.2f} GB on disk) → {root}"
         )
     out = Path(tempfile.mkdtemp(prefix="analysis-scale-out-"))
-    cmd = [sys.executable, "-m", "calculet_load.cli", "analyze", str(root), "--out", str(out)]
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "analyze", str(root), "--out", str(out)]
     cmd.append("--progress")
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -6,12 +6,12 @@ device_sample): the hottest chip's temperature (°C), the chips' summed power (W
 slowest chip's frequency (MHz). Over the last `window_s` of samples each series must
 hold both of its limits: its range (max − min) and the magnitude of its Theil–Sen slope
 (the one of analysis.stats.trend), in unit per minute of the client's monotonic clock.
-The drivers reach this module through the AnalysisDoor (`idle_criterion`).
+The acceptance run's idle step asks `idle_criterion` for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,7 @@ class IdleCriterion:
             "limits": {k: v.model_dump() for k, v in self.rules.series.items()},
         }
 
-    def check(self, t: Sequence[float], values: dict[str, Sequence[float]]) -> IdleCheck:
+    def check(self, t: Sequence[float], values: Mapping[str, Sequence[float]]) -> IdleCheck:
         """The samples at times `t` (s, increasing) with each series' `values`, judged
         over the last `window_s`. Not stable while the samples span less than the window."""
         if not t:

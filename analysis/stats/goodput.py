@@ -13,8 +13,7 @@ stamp is never read as a fast one. The share's interval is Clopper–Pearson's
 (PROPORTION_CI_METHOD): exact, distribution-free, coverage ≥ the level.
 
 `meets_slos` is the one definition of "good": the analysis' goodput rule and its
-capacity criterion use it, and so does the capacity search (calculet_load.accept), through
-the AnalysisDoor.
+capacity criterion use it, and so does the capacity search (calculet_drivers.capacity).
 """
 
 from __future__ import annotations

@@ -127,8 +127,8 @@ def theil_sen(t: Sequence[float] | FloatArray, y: Sequence[float] | FloatArray,
     """The Theil–Sen slope of y over t: the median of the slopes of every pair of
     points (scipy.stats.theilslopes), robust to a minority of outliers; Sen's interval
     at `level`. The one Theil–Sen of the tree: the leak test's here, the drivers' (the
-    capacity search's backlog, the soak's client RSS) through the AnalysisDoor. Fewer
-    than 3 points tell no trend: slope 0.
+    capacity search's backlog, the soak's client RSS). Fewer than 3 points tell no
+    trend: slope 0.
 
     Every pair is n² memory (a day of 1-s device samples: 45 GiB): beyond
     THEIL_SEN_MAX_POINTS points the slope is taken on the means of that many equal-time

@@ -26,7 +26,7 @@ reads them like any other worker's. Every request a worker sends carries its wor
 name (`w01`, `w02`, …; `-rN` on the N-th resumed attempt) and its host.
 
 Importing this module imports Locust, which monkey-patches the standard library: the
-CLI imports Locust first when `accept` runs distributed (calculet_load/cli.py).
+CLI imports Locust first when `accept` runs distributed (calculet_drivers/cli.py).
 """
 
 from __future__ import annotations

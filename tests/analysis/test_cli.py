@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from tests.support.runs import MS, RunBuilder, request, selfwatch
 
 N = 60  # requests per run: enough for P50 intervals, too few for P99 (needs 368)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from tests.support.locustproc import LocustRun
 from tests.support.simproc import SimProcess
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.target.resources import ResourceSampler, sample_resources
 from tests.support.locustproc import LocustRun
 from tests.support.simproc import ADMIN_TOKEN, SimProcess

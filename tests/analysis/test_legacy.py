@@ -10,7 +10,7 @@ import pyarrow.csv as pacsv
 import pytest
 
 from analysis.legacy import load_legacy_trend
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from tests.support.runs import RunBuilder, request
 
 CSV = Path(__file__).parents[1] / "data" / "legacy-163.csv"

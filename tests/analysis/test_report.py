@@ -31,7 +31,7 @@ from analysis.analyze import analyze, write_outputs
 from analysis.report import build_view, render, write_report
 from analysis.tables.cells import CellKey
 from analysis.views.model import label_column
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.measure.prompts import sample_words
 from tests.support.runs import (
     MS,
@@ -329,7 +329,7 @@ def test_cli_writes_the_report_and_exits_2_without_a_folder(
 def test_templates_ship_with_the_package_and_the_cli_imports_light() -> None:
     from importlib.resources import files
 
-    from calculet_load.cli import COMMANDS
+    from calculet_drivers.cli import COMMANDS
 
     assert COMMANDS["report"][0::2] == ("analysis.report", "add_arguments")
     assert COMMANDS["report"][3] == "run"
@@ -385,7 +385,7 @@ def test_a_real_acceptance_run_renders_a_report_chromium_opens(
         env.pop("CALCULET_SIGNING_KEY", None)
         env.pop("CALCULET_SIGNING_KEY_FILE", None)
         proc = subprocess.run(
-            [sys.executable, "-m", "calculet_load.cli", "accept", "--manifest",
+            [sys.executable, "-m", "calculet_drivers.cli", "accept", "--manifest",
              str(tmp_path / "manifest.yaml"), "--matrix", "configs/matrices/smoke.yaml",
              "--golden", "configs/golden/sim.yaml", "--run-dir", str(run),
              "--idle-window-s", "0.5", "--idle-gap-s", "0.1", "--min-repetitions", "6",

@@ -75,7 +75,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "calculet_load.cli", *args]
+    return [sys.executable, "-m", "calculet_drivers.cli", *args]
 
 
 @pytest.fixture(scope="module")

@@ -202,7 +202,7 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_commands_are_registered_and_the_cli_module_imports_light() -> None:
-    from calculet_load.cli import COMMANDS
+    from calculet_drivers.cli import COMMANDS
 
     assert {n: COMMANDS[n] for n in ("sign", "verify", "keygen")} == {
         "sign": ("analysis.signcli", COMMANDS["sign"][1], "add_sign", "run_sign"),

@@ -15,8 +15,8 @@ from analysis.analyze import analyze, write_outputs
 from analysis.errors import RulesError
 from analysis.judge.rules import DEFAULT_RULES, load_rules
 from analysis.report import write_report
-from calculet_load.soak.judge import STAGE_RULES, _rule_condition, endurance_note
-from calculet_load.soak.stage import load_stage
+from calculet_drivers.soak.judge import STAGE_RULES, _rule_condition, endurance_note
+from calculet_drivers.soak.stage import load_stage
 from tests.analysis.test_report import Page
 from tests.support.runs import MS, WALL0, RunBuilder, device_row, request
 
@@ -286,13 +286,12 @@ def test_fragmentation_series_are_read_from_metrics_and_admin_state() -> None:
 def test_client_memory_is_judged_on_its_slope_and_its_rise(rise_mib: float, flat: bool) -> None:
     """A 36 s stage: a 2 MiB creep is 200 MiB/h (under the 256 gate) or more, but it is
     under the allocators' step (8 MiB) and no trend; a 20 MiB rise is a leak either way."""
-    from calculet_load.commands.door import analysis_door
-    from calculet_load.soak.judge import _client_slope, memory_flat
-    from calculet_load.soak.stage import PassConditions
+    from calculet_drivers.soak.judge import _client_slope, memory_flat
+    from calculet_drivers.soak.stage import PassConditions
 
     rows = [{"mono_ns": int(i * 0.5e9), "rss_bytes": int((170 + rise_mib * i / 72) * 2**20)}
             for i in range(73)]  # fmt: skip
-    seg = _client_slope(rows, analysis_door())
+    seg = _client_slope(rows)
     assert seg["span_real_s"] == 36.0
     # the fit spans the 90 % after the warmup
     assert seg["rise_mib"] == pytest.approx(rise_mib * 0.9, rel=0.02)

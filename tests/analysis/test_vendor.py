@@ -19,7 +19,7 @@ from analysis.legacy import import_legacy
 from analysis.report import write_report
 from analysis.tables.join import load_run
 from analysis.tables.vendor import GRAPH_SERVICE_ONLY
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from tests.analysis.test_report import Page
 from tests.support.runs import MS, WALL0, RunBuilder, device_row, request, server_chain, step_row
 

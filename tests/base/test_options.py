@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from calculet_load.cli import build_parser
+from calculet_drivers.cli import build_parser
 from calculet_load.locust.options import OPTIONS, convert
 from calculet_load.ranges import Number
 from calculet_load.workload.matrix import MatrixError, parse_matrix

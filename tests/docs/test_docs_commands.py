@@ -66,7 +66,7 @@ def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """`calculet-load ARGV --help` in this process (its parser is the program's; a
     process per command cost 0.4 s of CPU each); `test_the_program_answers_help` runs
     the program itself."""
-    from calculet_load.cli import main
+    from calculet_drivers.cli import main
 
     with pytest.raises(SystemExit) as done:
         main([*argv, "--help"])
@@ -75,7 +75,7 @@ def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_the_program_answers_help() -> None:
-    args = [sys.executable, "-m", "calculet_load.cli", "--help"]
+    args = [sys.executable, "-m", "calculet_drivers.cli", "--help"]
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage: calculet-load" in done.stdout
@@ -173,7 +173,7 @@ def test_documented_python_name_exists(name: str) -> None:
 
 
 def _every_subcommand() -> list[str]:
-    from calculet_load.cli import COMMANDS
+    from calculet_drivers.cli import COMMANDS
 
     return sorted(COMMANDS)
 

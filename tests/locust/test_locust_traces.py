@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.target.traces import TraceWindow, _NotJsonLines, _select
 from tests.support.locustproc import REPO, LocustRun
 from tests.support.simproc import SimProcess

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from calculet_load.commands.tools import _schemas
+from calculet_drivers.commands.tools import _schemas
 from calculet_load.locust.livestats import (
     LATENCY_BOUNDS_S,
     MAX_SERIES,

@@ -128,7 +128,7 @@ def _local_run(tmp_path: Path, url: str, *, users: int, seconds: int) -> LocustR
 
 
 def _analyze(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "calculet_load.cli", "analyze", str(run_dir)]
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "analyze", str(run_dir)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

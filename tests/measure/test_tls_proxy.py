@@ -336,7 +336,7 @@ def test_buffering_on_is_reported_as_coalesced_events(
     (run_dir / "manifest.yaml").write_text(yaml.safe_dump(manifest))
     for cmd in ("analyze", "report"):
         res = subprocess.run(
-            [sys.executable, "-m", "calculet_load.cli", cmd, str(run_dir)],
+            [sys.executable, "-m", "calculet_drivers.cli", cmd, str(run_dir)],
             capture_output=True, text=True, timeout=120, cwd=REPO,
         )  # fmt: skip
     html = (run_dir / "report.html").read_text()
@@ -379,7 +379,7 @@ def test_the_api_key_is_never_written(stack: tuple[SimProcess, Nginx, Pki], tmp_
     probe_dir = tmp_path / "probe"
     env = dict(os.environ, CALCULET_TEST_KEY=API_KEY)
     probe = subprocess.run(
-        [sys.executable, "-m", "calculet_load.cli", "probe", "--url", proxy.url(),
+        [sys.executable, "-m", "calculet_drivers.cli", "probe", "--url", proxy.url(),
          "--ca-file", str(pki.ca_file), "--api-key-env", "CALCULET_TEST_KEY",
          "--header", f"X-Api-Key: {OTHER_SECRET}", "--prompt-tokens", "16",
          "--max-tokens", "4", "--run-dir", str(probe_dir)],
@@ -387,7 +387,7 @@ def test_the_api_key_is_never_written(stack: tuple[SimProcess, Nginx, Pki], tmp_
     )  # fmt: skip
     assert probe.returncode == 0, probe.stdout + probe.stderr
     analyzed = subprocess.run(
-        [sys.executable, "-m", "calculet_load.cli", "analyze", str(run.run_dir)],
+        [sys.executable, "-m", "calculet_drivers.cli", "analyze", str(run.run_dir)],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     places = [run.run_dir, probe_dir, *run.logs, *proxy.logs, sim.stderr_path]

@@ -20,12 +20,12 @@ import yaml
 
 from analysis.judge.rules import DEFAULT_RULES
 from analysis.sign import load_verify_key, verify
-from calculet_load.accept.pipeline import Options, Pipeline
-from calculet_load.commands.door import analysis_door
+from calculet_drivers.accept.acceptrun import Options
+from calculet_drivers.accept.pipeline import Pipeline
 from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "calculet_load.cli"]  # the `calculet-load` command
+CLI = [sys.executable, "-m", "calculet_drivers.cli"]  # the `calculet-load` command
 SIM_MANIFEST = yaml.safe_load((REPO / "configs" / "manifest.sim.yaml").read_text())
 CALBIN = str(SIM_MANIFEST["model"]["calbin_sha256"])
 GOLDEN = REPO / "configs" / "golden" / "sim.yaml"
@@ -117,7 +117,6 @@ def run_pipeline(
         idle_gap_s=0.0,
         min_repetitions=min_repetitions,
         progress=False,
-        analysis=analysis_door(),
     )
     return Pipeline(opts).run()
 

@@ -22,7 +22,7 @@ import yaml
 
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.measure.io_engines import run_in_greenlet
 from calculet_load.measure.outcome import Timeouts
 from calculet_load.measure.prompts import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from tests.support.acceptkit import (
     GOLDEN,
     accept_args,

@@ -18,7 +18,7 @@ import yaml
 from analysis.analyze import analyze
 from analysis.report import load_view
 from analysis.views.loadcurves import batch_section
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.measure.heap import PACER
 from calculet_load.schema.manifest import ManifestError, load_manifest, parse_manifest
 from calculet_load.workload.matrix import MatrixError, load_matrix, parse_matrix

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from tests.support.acceptkit import (
     accept_args,
     accept_sim,

@@ -27,7 +27,7 @@ import yaml
 
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.workload.matrix import load_matrix
 from tests.locust.test_locust_traces import assert_joined_records_filled
 from tests.support.acceptkit import (

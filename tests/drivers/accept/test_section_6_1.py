@@ -19,7 +19,7 @@ import pytest
 
 from analysis.tables.join import load_run
 from analysis.tables.quality import apply_quality
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.workload.matrix import MatrixError, load_matrix, parse_matrix
 from tests.support.acceptkit import (
     SINGLE,

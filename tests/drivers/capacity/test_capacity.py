@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.accept.capacity import SLA, GoodputSLA, _p99, load_sla
+from calculet_drivers.capacity.sla import SLA, GoodputSLA, load_sla
+from calculet_drivers.capacity.window import p99
 from calculet_load.target.api import TargetAPI, time_scale
 from calculet_sim.profile import load_profile
 from tests.conftest import REPO
@@ -45,7 +46,7 @@ def test_capacity_search_finds_the_saturation_point(start_sim: StartSim, tmp_pat
     sim = start_sim("--time-scale", "0.1", *args, faults=True)
     expected = 1000.0 / service_time_ms()  # req per target second (~2.49)
     env = {**os.environ, "CALCULET_ADMIN_TOKEN": ADMIN_TOKEN}
-    cmd = [sys.executable, "-m", "calculet_load.cli", "capacity",
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "capacity",
            "--manifest", str(REPO / "configs" / "manifest.sim.yaml"), "--url", sim.url,
            "--run-dir", str(tmp_path), "--start-rate", "1", "--max-rate", "8",
            "--window-s", "60", "--prompt-tokens", str(PROMPT), "--max-tokens", str(OUTPUT),
@@ -83,8 +84,8 @@ def test_sla_file_and_options(tmp_path: Path) -> None:
     path.write_text("sla: {max_reject_rate: 2}\n")
     with pytest.raises(ValueError, match="max_reject_rate"):
         load_sla(str(path), {})
-    assert _p99([float(x) for x in range(1, 101)]) == 100.0
-    assert _p99([3.0]) == 3.0 and _p99([]) is None
+    assert p99([float(x) for x in range(1, 101)]) == 100.0
+    assert p99([3.0]) == 3.0 and p99([]) is None
     path.write_text("sla: {goodput: {max_ttft_ms: 500, min_share: 0.95}}\n")
     goodput = load_sla(str(path), {}).goodput
     assert goodput == GoodputSLA(max_ttft_ms=500, min_share=0.95)
@@ -104,7 +105,7 @@ def test_goodput_is_a_criterion_of_the_search(start_sim: StartSim, tmp_path: Pat
         sla = tmp_path / f"{name}.yaml"
         sla.write_text(f"sla: {{goodput: {{max_ttft_ms: {ttft_ms}, min_share: 0.5}}}}\n")
         run = tmp_path / name
-        cmd = [sys.executable, "-m", "calculet_load.cli", "capacity",
+        cmd = [sys.executable, "-m", "calculet_drivers.cli", "capacity",
                "--manifest", str(REPO / "configs" / "manifest.sim.yaml"), "--url", sim.url,
                "--run-dir", str(run), "--start-rate", "2", "--max-rate", "2", "--window-s", "10",
                "--prompt-tokens", "16", "--max-tokens", "4", "--sla", str(sla)]  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from calculet_load.cli import main
+from calculet_drivers.cli import main
 from calculet_load.schema.runfolder import read_records
 from tests.conftest import REPO
 from tests.support.ports import free_port
@@ -23,7 +23,7 @@ SIM_MANIFEST = REPO / "configs" / "manifest.sim.yaml"
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "calculet_load.cli", *args],
+        [sys.executable, "-m", "calculet_drivers.cli", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

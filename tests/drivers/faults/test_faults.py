@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from calculet_load.faults.check import check_requests, released_in_flight, shared_leases
-from calculet_load.faults.observe import Observation, ReqObs
-from calculet_load.faults.spec import RequestCheck, load_scenarios
+from calculet_drivers.faults.check import check_requests
+from calculet_drivers.faults.facts import released_in_flight, shared_leases
+from calculet_drivers.faults.observe import Observation, ReqObs
+from calculet_drivers.faults.spec import RequestCheck, load_scenarios
 from tests.conftest import REPO
 from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
@@ -89,7 +90,7 @@ def faults_cli(
     if token:
         env["CALCULET_ADMIN_TOKEN"] = ADMIN_TOKEN
     manifest = manifest_file(run_dir.parent / f"{run_dir.name}-manifests", maintenance)
-    cmd = [sys.executable, "-m", "calculet_load.cli", "faults", "--manifest", str(manifest)]
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "faults", "--manifest", str(manifest)]
     cmd += ["--url", sim.url, "--run-dir", str(run_dir), "--scenarios", str(SCENARIO_DIR)]
     proc = subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, timeout=600)
     (run_dir / "cli.log").parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +224,7 @@ def test_invalid_scenario_file_exits_2(start_sim: StartSim, tmp_path: Path) -> N
     text = (SCENARIO_DIR / "12.2-1-device_busy.yaml").read_text()
     (bad / "x.yaml").write_text(text.replace('section: "12.2"', 'section: "12.9"'))
     env = {**os.environ, "CALCULET_ADMIN_TOKEN": ADMIN_TOKEN}
-    cmd = [sys.executable, "-m", "calculet_load.cli", "faults", "--manifest", str(MANIFEST)]
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "faults", "--manifest", str(MANIFEST)]
     proc = subprocess.run([*cmd, "--scenarios", str(bad)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2
@@ -324,7 +325,7 @@ def _accept(
         env["CALCULET_FAULTS_BROKEN"] = broken
     run = tmp_path / "run"
     manifest_path = manifest_file(tmp_path / "manifests", maintenance)
-    cmd = [sys.executable, "-m", "calculet_load.cli", "accept", "--manifest", str(manifest_path),
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "accept", "--manifest", str(manifest_path),
            "--matrix", str(matrix), "--golden", str(GOLDEN), "--url", sim.url,
            "--run-dir", str(run), "--faults", str(SCENARIO_DIR / "12.3-2-configure_failure.yaml"),
            "--idle-window-s", "0.3", "--idle-gap-s", "0", "--min-repetitions", "2",

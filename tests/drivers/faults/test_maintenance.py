@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from calculet_load.faults.maintenance import RECORD_FIELDS, AuditObs, audit_checks, refusal
-from calculet_load.faults.spec import load_scenarios
+from calculet_drivers.faults.audit import AuditObs, audit_checks
+from calculet_drivers.faults.maintenance import RECORD_FIELDS, refusal
+from calculet_drivers.faults.spec import load_scenarios
 from calculet_load.schema.manifest import Maintenance, ManifestError, parse_manifest
 from tests.drivers.faults.test_faults import (
     AUTHORIZATION,

@@ -1,4 +1,4 @@
-"""The drivers' shared steps (calculet_load.drive.steps): a sequence run on a typed
+"""The drivers' shared steps (calculet_drivers.skeleton.steps): a sequence run on a typed
 context, each step's start and end in events.jsonl with its outcome and reason."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from calculet_load.drive.steps import EventLog, Step, StepResult, analyze, run_steps
+from calculet_drivers.skeleton.finish import analyze
+from calculet_drivers.skeleton.steps import EventLog, Step, StepResult, run_steps
 from calculet_load.errors import RunStop
 
 
@@ -82,7 +83,9 @@ def test_a_run_stop_ends_the_sequence(tmp_path: Path) -> None:
     assert rows[1]["outcome"] == "ok" and rows[1]["checked"] is True
 
 
-def test_the_analysis_step_without_a_door_is_not_available(tmp_path: Path) -> None:
-    result = analyze(None, tmp_path)
-    assert result.outcome == "not_available"
-    assert result.reason == "no analysis door given to this run"
+def test_the_analysis_step_carries_the_analysis_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = analyze(tmp_path, quiet=True)  # a folder without records: invalid (exit 2)
+    assert result.outcome == "ok" and result.detail == {"code": 2}
+    assert "no request records" in capsys.readouterr().err

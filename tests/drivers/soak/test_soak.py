@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from calculet_load.soak.run import STAGE_DIR, load_stage
+from calculet_drivers.soak.stage import STAGE_DIR, load_stage
 from tests.conftest import REPO
 from tests.support.simproc import ADMIN_TOKEN, SimProcess
 
@@ -58,7 +58,7 @@ def bounded_rules(folder: Path) -> Path:
 
 
 def soak_cmd(sim: SimProcess, run_dir: Path, *args: str) -> list[str]:
-    cmd = [sys.executable, "-m", "calculet_load.cli", "soak", "--manifest", str(MANIFEST)]
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "soak", "--manifest", str(MANIFEST)]
     rules = bounded_rules(run_dir.parent)
     return [*cmd, "--url", sim.url, "--run-dir", str(run_dir), "--rules", str(rules), *args]
 
@@ -143,7 +143,7 @@ def test_dev_rehearsal_reports_the_leak(start_sim: StartSim, tmp_path: Path) -> 
 
 
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "calculet_load.cli", "soak", "--manifest", str(MANIFEST)]
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "soak", "--manifest", str(MANIFEST)]
     for extra, message in (
         (["--stage", "nope"], "known stages"),
         (["--stage", "dev", "--duration-scale", "2"], "--duration-scale"),

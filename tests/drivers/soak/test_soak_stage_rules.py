@@ -36,7 +36,7 @@ def test_a_candidate_rehearsal_is_judged_by_the_stage_rules(
     )
     run = tmp_path / "run"
     # 28800 target s x 0.03 = 864 s: one burst (at 600 s), 17.3 s real at time scale 0.02
-    cmd = [sys.executable, "-m", "calculet_load.cli", "soak", "--manifest", str(MANIFEST),
+    cmd = [sys.executable, "-m", "calculet_drivers.cli", "soak", "--manifest", str(MANIFEST),
            "--url", sim.url, "--run-dir", str(run), "--stage", "candidate",
            "--duration-scale", "0.03", "--target-rate", "0.25"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
