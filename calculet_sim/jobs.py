@@ -7,7 +7,7 @@ prepare/H2D/BF16 on the host -> submit (before_submit) -> device Wait (override_
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from calculet_load.schema import ServerEvent
 from calculet_sim import faults as F
@@ -117,14 +117,7 @@ async def _submit(eng: Engine, job: Job) -> bool:
         if rc is None:
             break
         eng.counters[f"runtime_rc{rc}"] += 1
-        for seq in job.seqs:
-            eng.event(
-                ServerEvent.RUNTIME_ERROR,
-                seq,
-                job_id=job.job_id,
-                kind=job.kind,
-                detail={"rc": rc, "where": "submit", "attempt": attempt},
-            )
+        _runtime_error(eng, job, {"rc": rc, "where": "submit", "attempt": attempt})
         if rc == F.RC_BUSY:
             if eng.faults.broken("device_busy"):
                 _fail_all(eng, job, 503, "device_busy", "device busy (rc=17)")
@@ -182,6 +175,12 @@ def _fail_all(eng: Engine, job: Job, status: int, code: str, msg: str, **kw: boo
             eng.fail(seq, status, code, msg, **kw)
 
 
+def _runtime_error(eng: Engine, job: Job, detail: dict[str, Any]) -> None:
+    """A runtime error of the job, recorded against each of its sequences."""
+    for seq in job.seqs:
+        eng.event(ServerEvent.RUNTIME_ERROR, seq, job_id=job.job_id, kind=job.kind, detail=detail)
+
+
 def _schedule_reset(eng: Engine, reason: str) -> None:
     from calculet_sim.lifecycle import reset, spawn
 
@@ -190,14 +189,7 @@ def _schedule_reset(eng: Engine, reason: str) -> None:
 
 def _on_wait_timeout(eng: Engine, job: Job, rc: int) -> None:
     eng.counters["runtime_rc13"] += 1
-    for seq in job.seqs:
-        eng.event(
-            ServerEvent.RUNTIME_ERROR,
-            seq,
-            job_id=job.job_id,
-            kind=job.kind,
-            detail={"rc": rc, "where": "wait"},
-        )
+    _runtime_error(eng, job, {"rc": rc, "where": "wait"})
     broken = eng.faults.broken("wait_timeout") or eng.faults.broken("repeated_faults")
     # Designed: the buffers the device may still write are quarantined, never reused.
     _fail_all(eng, job, 504, "wait_timeout", "device Wait timed out (rc=13)", quarantine=not broken)
@@ -225,14 +217,7 @@ def _ccu_exception(eng: Engine, job: Job) -> bool:
     if fault is None:
         return False
     eng.counters["ccu_exception"] += 1
-    for seq in job.seqs:
-        eng.event(
-            ServerEvent.RUNTIME_ERROR,
-            seq,
-            job_id=job.job_id,
-            kind=job.kind,
-            detail={"status": "ccu_exception", "where": "output_status"},
-        )
+    _runtime_error(eng, job, {"status": "ccu_exception", "where": "output_status"})
     if fault.broken:
         # Broken: garbage logits are delivered and nothing recovers.
         for seq in job.seqs:

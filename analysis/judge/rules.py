@@ -236,25 +236,14 @@ class ThroughputGainRule(_Rule):
     min_gain_pct: float | None = None
 
 
-class SloRule(_Rule):
+class SloRule(_MetricSpec, _Rule):
     """An absolute limit: the statistic's interval must lie below `max_ms` (pass), or
     wholly above it (fail); otherwise inconclusive."""
 
     kind: Literal["slo"]
     select: CellSelector = Field(default_factory=CellSelector)
-    metric: str
     statistic: str = "p99"
     max_ms: float | None = Field(default=None, gt=0)
-
-    @field_validator("metric")
-    @classmethod
-    def _metric(cls, v: str) -> str:
-        return _known_metric(v)
-
-    @field_validator("statistic")
-    @classmethod
-    def _statistic(cls, v: str) -> str:
-        return _MetricSpec._statistic(v)
 
 
 class GoodputCriterion(_Strict):

@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -39,7 +40,6 @@ __all__ = [
     "batch_means_ci",
     "finite_values",
     "mad",
-    "mad_ci",
     "mean_ci",
     "min_n_for_ci",
     "order_stat_bootstrap_cdf",
@@ -49,7 +49,7 @@ __all__ = [
     "quantile",
     "quantile_ci",
     "quantile_rank",
-    "std_ci",
+    "spread_ci",
     "steady_throughput",
     "summarize",
     "window_tokens",
@@ -440,30 +440,19 @@ def _bootstrap_ci(
     return est_full + (lo - est_sub) * scale, est_full + (hi - est_sub) * scale
 
 
-def std_ci(
+def spread_ci(
     values: npt.ArrayLike,
+    statistic: Literal["std", "mad"],
     level: float = 0.95,
     *,
     seed: int = 0,
     n_resamples: int = 1000,
     max_n: int = 10_000,
 ) -> tuple[float | None, float | None]:
-    """SPREAD_CI_METHOD interval of the sample std s (ddof=1); (None, None) for n < 10."""
+    """SPREAD_CI_METHOD interval of the sample std s (ddof=1) or of the MAD (MAD_METHOD);
+    (None, None) for n < 10."""
     x, _ = finite_values(values)
-    return _bootstrap_ci(x, _std, level, seed, n_resamples, max_n)
-
-
-def mad_ci(
-    values: npt.ArrayLike,
-    level: float = 0.95,
-    *,
-    seed: int = 0,
-    n_resamples: int = 1000,
-    max_n: int = 10_000,
-) -> tuple[float | None, float | None]:
-    """SPREAD_CI_METHOD interval of the MAD (MAD_METHOD); (None, None) for n < 10."""
-    x, _ = finite_values(values)
-    return _bootstrap_ci(x, _mad, level, seed, n_resamples, max_n)
+    return _bootstrap_ci(x, _std if statistic == "std" else _mad, level, seed, n_resamples, max_n)
 
 
 def percentile_warnings(p: PercentileStat, level: float) -> list[str]:

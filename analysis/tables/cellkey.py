@@ -14,9 +14,19 @@ import pyarrow.compute as pc
 
 from analysis.tables.join import IntArray
 
-__all__ = ["CELL_FIELDS", "CellKey", "rows_by_cell"]
+__all__ = ["CELL_FIELDS", "CELL_KEY_COLUMNS", "CellKey", "rows_by_cell"]
 
 CELL_FIELDS = ("ext.cell", "workload.concurrency", "ext.arrival", "workload.stream")
+
+
+# The columns that open every per-cell table: the cell's label and its key's parts.
+CELL_KEY_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
+    ("cell", pa.string()),
+    ("cell_name", pa.string()),
+    ("concurrency", pa.int64()),
+    ("arrival", pa.string()),
+    ("stream", pa.bool_()),
+)
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -32,7 +32,7 @@ from analysis.stats.quantiles import (
     percentiles,
     quantile,
 )
-from analysis.tables.cellkey import CellKey, rows_by_cell
+from analysis.tables.cellkey import CELL_KEY_COLUMNS, CellKey, rows_by_cell
 from analysis.tables.columns import floats, ints
 from analysis.tables.join import BoolArray, FloatArray, IntArray
 from analysis.tables.quality import Partition
@@ -156,11 +156,7 @@ def conversations_table(
 def _schema() -> pa.Schema:
     f64, i64, s = pa.float64(), pa.int64(), pa.string()
     fields: list[tuple[str, pa.DataType]] = [
-        ("cell", s),
-        ("cell_name", s),
-        ("concurrency", i64),
-        ("arrival", s),
-        ("stream", pa.bool_()),
+        *CELL_KEY_COLUMNS,
         ("by", s),
         ("group", s),
         ("turn", i64),

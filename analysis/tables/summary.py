@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from analysis.stats.quantiles import THROUGHPUT_CI_METHOD, THROUGHPUT_METHOD, CellStats
+from analysis.tables.cellkey import CELL_KEY_COLUMNS
 from analysis.tables.cells import ERROR_GROUPS, CellSummary
 
 __all__ = ["SUMMARY_SCHEMA", "summary_table"]
@@ -90,11 +91,7 @@ def summary_table(summaries: list[CellSummary]) -> pa.Table:
 def _summary_schema() -> pa.Schema:
     f64, i64, s = pa.float64(), pa.int64(), pa.string()
     fields: list[tuple[str, pa.DataType]] = [
-        ("cell", s),
-        ("cell_name", s),
-        ("concurrency", i64),
-        ("arrival", s),
-        ("stream", pa.bool_()),
+        *CELL_KEY_COLUMNS,
         ("partition", s),
         ("records", i64),
         ("ok", i64),

@@ -346,6 +346,14 @@ def breakdown_bars(
         return _svg(fig)
 
 
+def _shade(
+    ax: Any, spans: Sequence[tuple[float, float]], color: str, alpha: float, label: str | None
+) -> None:
+    """Shade each span of the x axis; the legend names the first only."""
+    for i, (a, b) in enumerate(spans):
+        ax.axvspan(a, b, color=color, alpha=alpha, lw=0, label=label if i == 0 and label else None)
+
+
 def timeseries_figure(panels: Sequence[Panel], *, xlabel: str, ncols: int = 1) -> str:
     """Time-series axes sharing x, in `ncols` columns (filled row by row); limits as
     dashed lines, spans shaded, marks as labelled vertical lines; plain-number ticks."""
@@ -362,24 +370,8 @@ def timeseries_figure(panels: Sequence[Panel], *, xlabel: str, ncols: int = 1) -
         )
         flat = list(axes.flat)
         for ax, panel in zip(flat, panels, strict=False):
-            for i, (a, b) in enumerate(panel.bands):
-                ax.axvspan(
-                    a,
-                    b,
-                    color="0.5",
-                    alpha=0.12,
-                    lw=0,
-                    label=panel.band_label if i == 0 and panel.band_label else None,
-                )
-            for i, (a, b) in enumerate(panel.spans):
-                ax.axvspan(
-                    a,
-                    b,
-                    color="C3",
-                    alpha=0.15,
-                    lw=0,
-                    label=panel.span_label if i == 0 and panel.span_label else None,
-                )
+            _shade(ax, panel.bands, "0.5", 0.12, panel.band_label)
+            _shade(ax, panel.spans, "C3", 0.15, panel.span_label)
             for i, line in enumerate(panel.lines):
                 if panel.step:
                     ax.step(

@@ -340,15 +340,11 @@ def use_system_allocator() -> None:
     """Arrow's allocations in this process from the C library's malloc, unless the user
     named a pool (ARROW_DEFAULT_MEMORY_POOL).
 
-    pyarrow's default, mimalloc, now and then spent 5-29 ms of CPU inside one
-    `pa.array` of 4,096 request ids (0.2 ms as a rule) while the writer converted a part,
-    and `pa.array` holds the interpreter lock: the event loop and the I/O engine's
-    thread stopped with it. Against benchmarks/exact_server.py at 80-160 req/s on one core
-    (stop 35), the open loop's sends came up to 29-81 ms late and reads waited up to
-    28-73 ms in about half the points, and the self-watch flagged the run; with the
-    system allocator, or jemalloc, none did, and the writer's CPU for a part of 102,400
-    token events was the same (31.2-31.7 ms against 30.4). docs/measurement.md has
-    the figures."""
+    pyarrow's default, mimalloc, can spend 5-29 ms of CPU inside one `pa.array` of
+    4,096 request ids (0.2 ms as a rule) while the writer converts a part, and
+    `pa.array` holds the interpreter lock: the event loop and the I/O engine's thread
+    stop with it, and an open loop's sends come late. With the system allocator (or
+    jemalloc) they do not, at the same writer CPU a part."""
     if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
         pa.set_memory_pool(pa.system_memory_pool())
 

@@ -324,10 +324,10 @@ def test_subsampled_bootstrap_of_std_and_mad_keeps_its_coverage() -> None:
     true_mad = 10.0 * st.norm.ppf(0.75)
     for i in range(reps):
         x = rng.normal(50.0, 10.0, 10_000)
-        lo, hi = S.std_ci(x, seed=i, n_resamples=200, max_n=1000)
+        lo, hi = S.spread_ci(x, "std", seed=i, n_resamples=200, max_n=1000)
         assert lo is not None and hi is not None
         hits_std += lo <= 10.0 <= hi
-        lo, hi = S.mad_ci(x, seed=i, n_resamples=200, max_n=1000)
+        lo, hi = S.spread_ci(x, "mad", seed=i, n_resamples=200, max_n=1000)
         assert lo is not None and hi is not None
         hits_mad += lo <= true_mad <= hi
     print(f"std coverage {hits_std / reps:.3f}, MAD coverage {hits_mad / reps:.3f}")
