@@ -508,7 +508,7 @@ def assert_export_is_joined(run_dir: Path) -> None:
 
 
 def test_the_demo_slows_its_simulator_as_other_processes_take_the_cores() -> None:
-    from calculet_load.commands.demo import MAX_TIME_SCALE, TIME_SCALE, size_time_scale
+    from calculet_drivers.demo import MAX_TIME_SCALE, TIME_SCALE, size_time_scale
 
     assert size_time_scale(2.0) == size_time_scale(1.8) == TIME_SCALE
     assert size_time_scale(0.9) == 0.1  # one core busy: the device runs half as fast
