@@ -109,8 +109,13 @@ def test_two_short_points_of_both_clients(tmp_path: Path) -> None:
         ), p
         assert ("engine" in t) == p["client"].endswith("thread"), p
         assert t["main"] > 0 and all(v >= 0 for v in t.values()), p
+        # The threads' CPU and the process's are read one after the other at each end of
+        # the window: a busy machine can deschedule the reader between them, with the
+        # client on the CPU meanwhile. Allowed: 50 ms of CPU at each end, spread over
+        # the point's requests (more than the window's: the stricter share).
+        skew_us = 2 * 50_000 / p["requests"]
         assert (
-            0.7 * p["cpu_us_per_request"] <= sum(t.values()) <= 1.02 * p["cpu_us_per_request"] + 5
+            0.7 * p["cpu_us_per_request"] <= sum(t.values()) <= p["cpu_us_per_request"] + skew_us
         ), p
 
 
