@@ -121,8 +121,15 @@ def _color(line: Line, i: int) -> str:
     return f"C{(line.color if line.color is not None else i) % 10}"
 
 
-def _styled(ax: Any) -> None:
+def _styled(
+    ax: Any, title: str | None = None, xlabel: str | None = None, ylabel: str | None = None
+) -> None:
+    """The grid every figure has, and the labels given."""
     ax.grid(True, alpha=0.3)
+    for set_label, text in ((ax.set_title, title), (ax.set_xlabel, xlabel),
+                            (ax.set_ylabel, ylabel)):  # fmt: skip
+        if text is not None:
+            set_label(text)
 
 
 def cdf_figure(panels: Sequence[tuple[str, Sequence[Line]]]) -> str:
@@ -226,10 +233,7 @@ def scatter_curve(
         else:
             _plain(ax.xaxis)
         _plain(ax.yaxis)
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        _styled(ax)
+        _styled(ax, title, xlabel, ylabel)
         ax.legend(frameon=False, loc="upper left")
         return _svg(fig)
 
@@ -317,10 +321,7 @@ def shaded_scatter(
         ax.set_ylim(bottom=0)
         _plain(ax.xaxis)
         _plain(ax.yaxis)
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        _styled(ax)
+        _styled(ax, title, xlabel, ylabel)
         return _svg(fig)
 
 

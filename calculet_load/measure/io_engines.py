@@ -70,7 +70,7 @@ IO_ENGINES: dict[str, Callable[[Endpoint, int], IOEngine]] = {
 }
 # Every run's unless told otherwise (`--io-engine`, `Session(io_engine=...)`): 25-40 %
 # less CPU per request than gevent at every point of benchmarks/client_speed.py, and TTFT
-# p99 within 1 ms up to twice gevent's rate (docs/measurement.md, "The I/O engines").
+# p99 within 1 ms up to twice gevent's rate (figures: docs/performance.md).
 DEFAULT_IO_ENGINE = "thread"
 
 

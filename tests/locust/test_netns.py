@@ -28,7 +28,6 @@ import os
 import random
 import select
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ import pytest
 
 from calculet_load.clock import TEST_WALL_SHIFT_ENV, ClockAnchor, SystemClock
 from calculet_load.workload.arrivals import intended_times
-from tests.support.locustproc import LOCUSTFILE, REPO
+from tests.support.locustproc import LOCUSTFILE, REPO, stop_processes
 from tests.support.ports import free_port
 from tests.support.simproc import PATIENT_QUEUE, SimProcess
 
@@ -144,15 +143,7 @@ class Procs:
         return p
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs)
 
     def text(self) -> str:
         return "\n".join(

@@ -21,6 +21,20 @@ REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE = str(REPO / "locustfiles" / "calculet.py")
 
 
+def stop_processes(procs: list[subprocess.Popen[Any]], timeout_s: float = 15) -> None:
+    """SIGTERM to each process still running, then wait for each; kill what outlives
+    `timeout_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 @dataclass
 class LocustRun:
     """A headless master with N workers (or one local process when workers == 0)."""
@@ -92,15 +106,7 @@ class LocustRun:
         return int(self.master.returncode)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs)
 
     def log_text(self) -> str:
         return "\n".join(
